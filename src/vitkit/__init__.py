@@ -1,0 +1,27 @@
+"""vitkit: the Vision Transformer of Dosovitskiy et al. (ICLR 2021) in PyTorch."""
+
+from .checkpoints import load, save
+from .config import ResNetConfig, ViTConfig, decode_variant, list_models
+from .efficiency import count_params, flops
+from .model import VisionTransformer
+
+__version__ = "0.1.0"
+
+
+def create_model(name: str, **overrides) -> VisionTransformer:
+    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)`."""
+    return VisionTransformer(decode_variant(name, **overrides))
+
+
+__all__ = [
+    "ResNetConfig",
+    "ViTConfig",
+    "VisionTransformer",
+    "count_params",
+    "create_model",
+    "decode_variant",
+    "flops",
+    "list_models",
+    "load",
+    "save",
+]

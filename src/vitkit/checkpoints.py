@@ -1,0 +1,66 @@
+"""vitkit's own checkpoint format: safetensors, with the config and class names in the metadata. No pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ViTConfig
+from .model import VisionTransformer
+
+FORMAT = "vitkit"
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """Call `write(tmp_path)` and move the result into place, so no half-written file is ever left at `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(model: VisionTransformer, path: str | os.PathLike) -> None:
+    """Write `model` to a vitkit safetensors file (atomically)."""
+    metadata = {"format": FORMAT, "config": json.dumps(model.config.to_dict())}
+    if model.class_names is not None:
+        metadata["class_names"] = json.dumps(list(model.class_names))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors and the metadata of a safetensors file; a clear error if it is not one."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e}). Is it truncated or of another format?") from e
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> VisionTransformer:
+    """Read a file written by `vitkit.save` and return the model, in eval mode."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint file.")
+    tensors, metadata = read_safetensors(path)
+    if metadata.get("format") != FORMAT or "config" not in metadata:
+        raise ValueError(
+            f"{path}: a safetensors file without vitkit metadata. For timm or Hugging Face weights use "
+            "vitkit.load_checkpoint(path)."
+        )
+    model = VisionTransformer(ViTConfig.from_dict(json.loads(metadata["config"])))
+    model.load_state_dict(tensors, strict=True)
+    if "class_names" in metadata:
+        model.class_names = json.loads(metadata["class_names"])
+    return model.to(map_location).eval()

@@ -1,0 +1,44 @@
+"""The `vitkit` command: a thin layer over the library API, one sub-command per task."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import config as cfg
+from .efficiency import count_params, flops
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """Print the paper's Table 1 for every named variant, with parameters and GFLOPs at a resolution."""
+    header = f"{'model':<16}{'layers':>7}{'hidden':>8}{'MLP':>7}{'heads':>7}{'params':>14}{'GFLOPs':>9}"
+    print(f"Variants at {args.image_size} px, {args.num_classes} classes (GFLOPs: multiply-add = 2)")
+    print(header)
+    print("-" * len(header))
+    for name in cfg.list_models():
+        c = cfg.decode_variant(name, image_size=args.image_size, num_classes=args.num_classes)
+        print(
+            f"{name:<16}{c.num_layers:>7}{c.hidden_size:>8}{c.mlp_dim:>7}{c.num_heads:>7}"
+            f"{count_params(c):>14,}{flops(c) / 1e9:>9.1f}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("models", help="table of the model variants (paper Table 1) with params and GFLOPs")
+    p.add_argument("--image-size", type=int, default=224, help="resolution for the GFLOPs column (default 224)")
+    p.add_argument("--num-classes", type=int, default=1000, help="size of the head (default 1000)")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
