@@ -34,3 +34,14 @@ def test_shapes_reject_bad_arguments():
         ShapesDataset(split="val")
     with pytest.raises(ValueError, match="image_size=8"):
         ShapesDataset(image_size=8)
+
+
+def test_to_input_scales_to_minus_one_one_and_replicates_gray():
+    from vitkit.data import to_input
+
+    gray = torch.tensor([[[0, 255], [255, 0]]], dtype=torch.uint8)  # (1, 2, 2)
+    x = to_input(gray)
+    assert x.shape == (1, 3, 2, 2) and x.min() == -1 and x.max() == 1
+    assert to_input(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), 16).shape == (2, 3, 16, 16)
+    with pytest.raises(ValueError, match="uint8"):
+        to_input(torch.zeros(3, 8, 8))

@@ -163,3 +163,13 @@ def test_load_rejects_non_vitkit_files(tmp_path):
 
 def test_relative_posemb_module_type():
     assert isinstance(tiny(posemb="relative").posemb, RelativePosemb)
+
+
+def test_load_checkpoint_adapts_resolution_and_head(tmp_path):
+    model = tiny(representation_size=16)
+    vitkit.save(model, tmp_path / "m.safetensors")
+    tuned = vitkit.load_checkpoint(tmp_path / "m.safetensors", image_size=48, num_classes=3, drop_path_rate=0.1)
+    assert tuned.config.image_size == (48, 48) and tuned.config.num_classes == 3
+    assert tuned.config.representation_size is None and tuned.config.drop_path_rate == 0.1
+    assert torch.count_nonzero(tuned.head.weight) == 0
+    assert torch.equal(tuned.blocks[1].mlp.fc2.weight, model.blocks[1].mlp.fc2.weight)

@@ -1,6 +1,6 @@
 """vitkit: the Vision Transformer of Dosovitskiy et al. (ICLR 2021) in PyTorch."""
 
-from .checkpoints import load, save
+from .checkpoints import load, load_checkpoint, save
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .model import VisionTransformer
@@ -23,5 +23,6 @@ __all__ = [
     "flops",
     "list_models",
     "load",
+    "load_checkpoint",
     "save",
 ]

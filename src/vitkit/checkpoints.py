@@ -64,3 +64,42 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> V
     if "class_names" in metadata:
         model.class_names = json.loads(metadata["class_names"])
     return model.to(map_location).eval()
+
+
+def adapt(
+    model: VisionTransformer,
+    image_size: int | tuple[int, int] | None = None,
+    num_classes: int | None = None,
+    keep_pre_logits: bool = False,
+) -> VisionTransformer:
+    """Prepare a loaded model for a new task as the paper does: resample the posemb to `image_size` (bilinear,
+    aligned corners) and, when `num_classes` differs, a new zero-initialised head (pre-logits dropped)."""
+    if image_size is not None:
+        model.set_image_size(image_size)
+    if num_classes is not None and num_classes != model.config.num_classes:
+        model.reset_head(num_classes, keep_pre_logits=keep_pre_logits)
+    return model
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    format: str = "auto",
+    image_size: int | tuple[int, int] | None = None,
+    num_classes: int | None = None,
+    **overrides,
+) -> VisionTransformer:
+    """Load a checkpoint into a ready model, adapted to `image_size` / `num_classes` (see `adapt`).
+
+    `overrides` change config fields that carry no weights (e.g. `drop_path_rate` for fine-tuning).
+    Formats: "vitkit".
+    """
+    if format not in ("auto", FORMAT):
+        raise ValueError(f"format={format!r} is unknown: use 'auto' or {FORMAT!r}.")
+    model = load(path)
+    if overrides:
+        tuned = VisionTransformer(model.config.replace(**overrides))
+        tuned.load_state_dict(model.state_dict(), strict=True)
+        tuned.class_names = model.class_names
+        model = tuned.eval()
+    return adapt(model, image_size, num_classes)

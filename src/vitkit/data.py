@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond")
@@ -80,3 +81,34 @@ def _shape_mask(shape: str, xx: np.ndarray, yy: np.ndarray, box: tuple[int, int,
     if shape == "ring":
         return (dx**2 + dy**2 <= 1) & (dx**2 + dy**2 >= 0.4)
     return abs(dx) + abs(dy) <= 1  # diamond
+
+
+def to_input(images: torch.Tensor, image_size: int | tuple[int, int] | None = None, in_chans: int = 3) -> torch.Tensor:
+    """uint8 images (B, C, H, W) or (C, H, W) -> float model input in [-1, 1], as the official code feeds it.
+
+    Grayscale is replicated to `in_chans` channels; with `image_size` the images are resized to it (bilinear,
+    the official evaluation transform).
+    """
+    if images.dtype != torch.uint8:
+        raise ValueError(f"expected uint8 images with values 0..255, got {images.dtype}.")
+    x = images.unsqueeze(0) if images.ndim == 3 else images
+    if x.ndim != 4:
+        raise ValueError(f"expected images of shape (B, C, H, W) or (C, H, W), got {tuple(images.shape)}.")
+    if x.shape[1] == 1 and in_chans != 1:
+        x = x.expand(-1, in_chans, -1, -1)
+    x = x.float() / 127.5 - 1.0
+    if image_size is not None:
+        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        if tuple(x.shape[-2:]) != size:
+            x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
+    return x
+
+
+DATASETS = {"shapes": ShapesDataset}
+
+
+def get_dataset(name: str, split: str = "train", **kwargs) -> Dataset:
+    """A named dataset's split; samples are (uint8 image (C, H, W), label) and `.classes` names the labels."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(sorted(DATASETS))}.")
+    return DATASETS[name](split=split, **kwargs)
