@@ -139,8 +139,14 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     """A directory that `transformers.ViTForImageClassification.from_pretrained` loads (`ViTModel` if headless)."""
     config = model.config
     require_learned_posemb(config, FORMAT)
-    if config.classifier != "token" or config.hybrid or config.layer_scale_init:
-        raise ValueError("Hugging Face ViT has a class token, no ResNet stem and no layer scale: export 'vitkit'.")
+    unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in
+                   (("classifier", config.classifier == "token"), ("hybrid", not config.hybrid),
+                    ("layer_scale_init", not config.layer_scale_init)) if not ok]  # fmt: skip
+    if unsupported:
+        raise ValueError(
+            f"Hugging Face ViT cannot hold {', '.join(unsupported)} (it has a class token, no ResNet stem, "
+            "no layer scale): export to 'vitkit' (or 'npz' for gap and hybrid models) instead."
+        )
     if config.representation_size and config.num_classes:
         raise ValueError(
             "Hugging Face ViTForImageClassification has no pre-logits layer: drop it with model.reset_head(...) "

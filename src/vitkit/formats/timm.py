@@ -111,6 +111,8 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     scale, and a tanh `act_layer` for gelu_tanh models. timm has no pre-logits layer.
     """
     require_learned_posemb(model.config, FORMAT)
+    if model.config.hybrid:
+        raise ValueError(f"hybrid={model.config.hybrid}: timm's hybrid layout differs; export to 'npz' or 'vitkit'.")
     if model.config.representation_size:
         raise ValueError("timm's VisionTransformer has no pre-logits layer: drop it with model.reset_head(...) first.")
     tensors: Tensors = export_tensors(model, rules_for(model.config), FORMAT)
