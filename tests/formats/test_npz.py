@@ -84,6 +84,12 @@ def test_missing_key_bias_is_reported_although_it_would_change_no_output(fixture
     assert "unexpected keys: Transformer/encoderblock_1/extra/kernel" in str(info.value)
 
 
+def test_num_heads_override_contradicting_the_file_is_a_shape_mismatch(fixtures_dir):
+    params, _, _ = official(fixtures_dir, "vit_tiny_token")
+    with pytest.raises(ValueError, match=r"query/kernel \(192, 3, 64\).*expected shape \(192, 4, 48\)"):
+        vitkit.load_checkpoint(params, num_heads=4)
+
+
 def newer_flax_names(arrays: dict) -> dict:
     names = dict(zip(npz.RELEASED_NAMES, npz.FLAX_NAMES))
     return {"/".join(names.get(part, part) for part in k.split("/")): v for k, v in arrays.items()}

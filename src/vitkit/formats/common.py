@@ -50,6 +50,13 @@ def fused_qkv(ours: str, q: str, k: str, v: str, split: Callable, merge: Callabl
     )
 
 
+def shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`t` itself if it has `shape`; otherwise a RuntimeError, which `build_model` reports as a shape mismatch."""
+    if tuple(t.shape) != tuple(shape):
+        raise RuntimeError(f"expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
 def _listing(names: list[str], limit: int = 12) -> str:
     shown = ", ".join(names[:limit])
     return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
@@ -78,12 +85,12 @@ def build_model(
         sources = [tensors[k] for k in rule.theirs]
         want = tuple(expected[rule.ours].shape)
         try:
-            value = rule.to_ours(*sources)
-        except RuntimeError:
-            value = None
+            value, reason = rule.to_ours(*sources), ""
+        except RuntimeError as e:
+            value, reason = None, f" ({e})"
         if value is None or tuple(value.shape) != want:
             have = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(rule.theirs, sources))
-            mismatched.append(f"{have} -> {rule.ours} {want}")
+            mismatched.append(f"{have} -> {rule.ours} {want}{reason}")
             continue
         state[rule.ours] = value.to(expected[rule.ours].dtype)
     unexpected = sorted(set(tensors) - {k for r in rules for k in r.theirs})

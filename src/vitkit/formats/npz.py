@@ -30,6 +30,7 @@ from .common import (
     rename,
     require,
     require_learned_posemb,
+    shaped,
 )
 
 FORMAT = "npz"
@@ -64,24 +65,36 @@ def conv(ours: str, theirs: str) -> Rule:
 
 
 def attention(ours: str, theirs: str, config: ViTConfig) -> list[Rule]:
-    """q/k/v kernels (D, heads, D/heads), biases (heads, D/heads) <-> fused qkv; out kernel (heads, D/heads, D)."""
+    """q/k/v kernels (D, heads, D/heads), biases (heads, D/heads) <-> fused qkv; out kernel (heads, D/heads, D).
+
+    The file's head count is checked against the config's, which would otherwise pass unnoticed (same sizes)."""
     d, h = config.hidden_size, config.num_heads
+    kernel, bias = (d, h, d // h), (h, d // h)
     q, k, v = (f"{theirs}/{n}" for n in ("query", "key", "value"))
     rules = [
         fused_qkv(
-            f"{ours}.qkv.weight", f"{q}/kernel", f"{k}/kernel", f"{v}/kernel",
-            split=lambda w: w.T.reshape(d, h, d // h), merge=lambda t: t.reshape(t.shape[0], -1).T,
+            f"{ours}.qkv.weight", *(f"{n}/kernel" for n in (q, k, v)),
+            merge=lambda t: shaped(t, kernel).reshape(d, d).T, split=lambda w: w.T.reshape(kernel),
         ),
-        Rule(f"{ours}.proj.weight", (f"{theirs}/out/kernel",), lambda t: t.reshape(-1, t.shape[-1]).T,
-             lambda w: (w.T.reshape(h, d // h, d),)),
+        Rule(
+            f"{ours}.proj.weight", (f"{theirs}/out/kernel",),
+            lambda t: shaped(t, (h, d // h, d)).reshape(d, d).T, lambda w: (w.T.reshape(h, d // h, d),),
+        ),
         rename(f"{ours}.proj.bias", f"{theirs}/out/bias"),
     ]  # fmt: skip
     if config.qkv_bias:
         rules.append(
-            fused_qkv(f"{ours}.qkv.bias", f"{q}/bias", f"{k}/bias", f"{v}/bias",
-                      split=lambda b: b.reshape(h, d // h), merge=lambda t: t.reshape(-1))
+            fused_qkv(
+                f"{ours}.qkv.bias", *(f"{n}/bias" for n in (q, k, v)),
+                merge=lambda t: shaped(t, bias).reshape(d), split=lambda b: b.reshape(bias),
+            )
         )  # fmt: skip
     return rules
+
+
+def class_row_added(posemb: torch.Tensor) -> torch.Tensor:
+    """big_vision's (1, h*w, D) posemb -> ours (1, 1 + h*w, D): a zero row for the class token, which is exact."""
+    return torch.cat([torch.zeros_like(posemb[:, :1]), posemb], dim=1)
 
 
 def resnet_rules(config: ResNetConfig) -> list[Rule]:
@@ -106,19 +119,15 @@ def rules_for(config: ViTConfig, names: tuple[str, ...] = RELEASED_NAMES, big_vi
     if config.classifier == "token":
         rules.append(rename("cls_token", "cls"))
     if big_vision and config.classifier == "token":
-        rules.append(
-            Rule("posemb.weight", (BIG_VISION_POSEMB,), lambda t: torch.cat([torch.zeros_like(t[:, :1]), t], dim=1),
-                 lambda w: (w[:, 1:],))
-        )  # fmt: skip
+        rules.append(Rule("posemb.weight", (BIG_VISION_POSEMB,), class_row_added, lambda w: (w[:, 1:],)))
     else:
         rules.append(rename("posemb.weight", BIG_VISION_POSEMB if big_vision else POSEMB))
     for i in range(config.num_layers):
         ours, theirs = f"blocks.{i}", f"Transformer/encoderblock_{i}"
         rules += norm(f"{ours}.norm1", f"{theirs}/{ln0}") + attention(f"{ours}.attn", f"{theirs}/{attn}", config)
         rules += norm(f"{ours}.norm2", f"{theirs}/{ln1}")
-        rules += dense(f"{ours}.mlp.fc1", f"{theirs}/{mlp}/Dense_0") + dense(
-            f"{ours}.mlp.fc2", f"{theirs}/{mlp}/Dense_1"
-        )
+        rules += dense(f"{ours}.mlp.fc1", f"{theirs}/{mlp}/Dense_0")
+        rules += dense(f"{ours}.mlp.fc2", f"{theirs}/{mlp}/Dense_1")
     rules += norm("encoder_norm", "Transformer/encoder_norm")
     if config.representation_size:
         rules += dense("pre_logits.0", "pre_logits")
