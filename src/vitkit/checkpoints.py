@@ -1,4 +1,5 @@
-"""vitkit's own checkpoint format: safetensors, with the config and class names in the metadata. No pickle."""
+"""vitkit's own checkpoint format (safetensors, config and class names in the metadata; no pickle), and the
+entry points for every format: `load_checkpoint` (with `adapt`) and `export`, which dispatch to `vitkit.formats`."""
 
 from __future__ import annotations
 
