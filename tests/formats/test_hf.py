@@ -16,6 +16,7 @@ CASES = {
     "token_labels": dict(id2label={0: "ant", 1: "bee", 2: "cat", 3: "dog"}, label2id={}),
     "wider_tanh_gelu": dict(hidden_size=48, num_attention_heads=3, hidden_act="gelu_pytorch_tanh"),
     "non_square_no_qkv_bias": dict(image_size=(32, 48), qkv_bias=False, layer_norm_eps=1e-6),
+    "no_labels": dict(num_labels=0),
 }
 
 
@@ -54,6 +55,17 @@ def test_hf_pytorch_model_bin_directory_loads(tmp_path):
     weights = vitkit.checkpoints.read_safetensors(tmp_path / "model.safetensors")[0]
     (tmp_path / "model.safetensors").unlink()
     torch.save(weights, tmp_path / "pytorch_model.bin")
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            vitkit.load_checkpoint(tmp_path)(x), theirs(pixel_values=x).logits, atol=1e-5, rtol=0
+        )
+
+
+def test_hf_sharded_safetensors_directory_loads(tmp_path):
+    theirs = perturbed(ViTForImageClassification(HFConfig(**TINY)))
+    theirs.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(

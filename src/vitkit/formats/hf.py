@@ -38,9 +38,9 @@ def linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
     return [rename(f"{ours}.weight", f"{theirs}.weight")] + ([rename(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
 
 
-def rules_for(config: ViTConfig) -> list[Rule]:
-    """Every tensor of the model under its Hugging Face name (`ViTForImageClassification`, or `ViTModel` headless)."""
-    p = "vit." if config.num_classes else ""
+def rules_for(config: ViTConfig, p: str) -> list[Rule]:
+    """Every tensor of the model under its Hugging Face name; `p` is "vit." in `ViTForImageClassification`, "" in
+    a bare `ViTModel`."""
     rules = [
         rename("cls_token", f"{p}embeddings.cls_token"),
         rename("posemb.weight", f"{p}embeddings.position_embeddings"),
@@ -130,7 +130,8 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
         raise ValueError(f"{directory / 'config.json'}: not valid JSON ({e}).") from e
     tensors = read_weights(directory)
     config = infer_config(hf, tensors, directory, overrides)
-    model = build_model(config, rules_for(config), tensors, directory, "Hugging Face ViT")
+    prefix = "vit." if any(k.startswith("vit.") for k in tensors) else ""
+    model = build_model(config, rules_for(config, prefix), tensors, directory, "Hugging Face ViT")
     model.class_names = class_names_of(hf, config.num_classes)
     return model
 
@@ -152,7 +153,7 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
             "Hugging Face ViTForImageClassification has no pre-logits layer: drop it with model.reset_head(...) "
             "or export the headless model (num_classes=0), whose pre-logits become ViTModel's pooler."
         )
-    tensors = export_tensors(model, rules_for(config), FORMAT)
+    tensors = export_tensors(model, rules_for(config, "vit." if config.num_classes else ""), FORMAT)
     names = model.class_names or [f"LABEL_{i}" for i in range(config.num_classes)]
     square = lambda pair: pair[0] if pair[0] == pair[1] else list(pair)
     hf = {
