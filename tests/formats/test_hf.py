@@ -89,7 +89,11 @@ def test_hf_export_loads_in_transformers_with_the_same_outputs_and_labels(tmp_pa
     ours = perturbed(VisionTransformer(config))
     ours.class_names = ["ant", "bee", "cat"]
     vitkit.export(ours, tmp_path / "hf", format="hf")
-    theirs = ViTForImageClassification.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    theirs, info = ViTForImageClassification.from_pretrained(
+        tmp_path / "hf", local_files_only=True, output_loading_info=True
+    )
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+    theirs.eval()
     x = image(config)
     with torch.no_grad():
         torch.testing.assert_close(theirs(pixel_values=x).logits, ours(x), atol=1e-5, rtol=0)
