@@ -1,6 +1,6 @@
 """vitkit: the Vision Transformer of Dosovitskiy et al. (ICLR 2021) in PyTorch."""
 
-from .checkpoints import load, load_checkpoint, save
+from .checkpoints import export, load, load_checkpoint, save
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .model import VisionTransformer
@@ -20,6 +20,7 @@ __all__ = [
     "count_params",
     "create_model",
     "decode_variant",
+    "export",
     "flops",
     "list_models",
     "load",

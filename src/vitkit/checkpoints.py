@@ -1,4 +1,5 @@
-"""vitkit's own checkpoint format: safetensors, with the config and class names in the metadata. No pickle."""
+"""vitkit's own checkpoint format (safetensors, config and class names in the metadata; no pickle), and the
+entry points for every format: `load_checkpoint` (with `adapt`) and `export`, which dispatch to `vitkit.formats`."""
 
 from __future__ import annotations
 
@@ -89,13 +90,19 @@ def load_checkpoint(
     num_classes: int | None = None,
     **overrides,
 ) -> VisionTransformer:
-    """Load a checkpoint into a ready model, adapted to `image_size` / `num_classes` (see `adapt`).
+    """Load a checkpoint of any supported format into a ready model, adapted to `image_size` / `num_classes`.
 
-    `overrides` change config fields that carry no weights (e.g. `drop_path_rate` for fine-tuning).
-    Formats: "vitkit".
+    Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory); "auto"
+    tells them apart (see `vitkit.formats.detect_format`). The config is inferred from the file. `overrides`
+    set config fields the file does not record (e.g. `drop_path_rate` for fine-tuning, `num_heads` for timm).
     """
-    if format not in ("auto", FORMAT):
-        raise ValueError(f"format={format!r} is unknown: use 'auto' or {FORMAT!r}.")
+    from . import formats  # the foreign formats build on this module's file helpers
+
+    if format not in ("auto", *formats.FORMATS):
+        raise ValueError(f"format={format!r} is unknown: use 'auto' or one of {', '.join(formats.FORMATS)}.")
+    format = formats.detect_format(path) if format == "auto" else format
+    if format != FORMAT:
+        return adapt(formats.MODULES[format].load(path, image_size=image_size, **overrides), image_size, num_classes)
     model = load(path)
     if overrides:
         tuned = VisionTransformer(model.config.replace(**overrides))
@@ -103,3 +110,16 @@ def load_checkpoint(
         tuned.class_names = model.class_names
         model = tuned.eval()
     return adapt(model, image_size, num_classes)
+
+
+def export(model: VisionTransformer, path: str | os.PathLike, format: str = FORMAT) -> None:
+    """Write `model` in `format`: "vitkit" (a file), "hf" (a directory), "timm" (a safetensors state dict) or
+    "npz" (the official layout). Class names travel in vitkit and timm metadata and in Hugging Face's id2label."""
+    from . import formats
+
+    if format == FORMAT:
+        save(model, path)
+    elif format in formats.MODULES:
+        formats.MODULES[format].export(model, path)
+    else:
+        raise ValueError(f"format={format!r} is unknown: use one of {', '.join(formats.FORMATS)}.")

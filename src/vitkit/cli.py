@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import config as cfg
+from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 
 
@@ -24,6 +25,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Load a checkpoint of any format and write it in another."""
+    model = load_checkpoint(args.src, format=args.format)
+    export(model, args.dst, format=args.to)
+    c = model.config
+    shape = f"{c.num_layers} layers, D={c.hidden_size}, {c.num_heads} heads, patch {c.patch_size}, {c.image_size} px"
+    print(f"{args.src} -> {args.dst} ({args.to}): {shape}, {c.num_classes} classes")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -32,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=224, help="resolution for the GFLOPs column (default 224)")
     p.add_argument("--num-classes", type=int, default=1000, help="size of the head (default 1000)")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
+    p.add_argument("src", help="checkpoint file, or a Hugging Face model directory")
+    p.add_argument("dst", help="output file (a directory for --to hf)")
+    p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
+    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

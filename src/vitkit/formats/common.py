@@ -1,0 +1,189 @@
+"""Machinery shared by the foreign checkpoint formats.
+
+A format is a list of `Rule`s, one per tensor of our model: which tensors of the file make it and how. The
+conversions are transposes, reshapes and concatenations only, so they are exact in both directions. Loading
+applies the rules and reports every tensor of the file that is left over, missing, or of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ViTConfig, field_names
+from ..model import VisionTransformer
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Our tensor `ours` is `to_ours(*file[theirs])`; `to_theirs(ours)` gives the file's tensors back exactly."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    to_ours: Callable[..., torch.Tensor]
+    to_theirs: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def rename(ours: str, theirs: str) -> Rule:
+    """The same tensor under another name."""
+    return Rule(ours, (theirs,), lambda t: t, lambda t: (t,))
+
+
+def fused_qkv(ours: str, q: str, k: str, v: str, split: Callable, merge: Callable) -> Rule:
+    """Our fused `attn.qkv` from separate q, k, v tensors: `merge` maps one to our (D, ...) layout, `split` back."""
+    return Rule(
+        ours,
+        (q, k, v),
+        lambda *qkv: torch.cat([merge(t) for t in qkv], dim=0),
+        lambda t: tuple(split(c) for c in t.chunk(3, dim=0)),
+    )
+
+
+def shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`t` itself if it has `shape`; otherwise a RuntimeError, which `build_model` reports as a shape mismatch."""
+    if tuple(t.shape) != tuple(shape):
+        raise RuntimeError(f"expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
+
+
+def build_model(
+    config: ViTConfig, rules: list[Rule], tensors: Tensors, path: str | os.PathLike, format: str
+) -> VisionTransformer:
+    """A model of `config` with its weights taken from `tensors` through `rules`, every tensor accounted for.
+
+    Raises ValueError listing the file's unexpected keys, its missing keys and its shape mismatches.
+    """
+    model = VisionTransformer(config)
+    expected = model.state_dict()
+    uncovered = sorted(set(expected) - {r.ours for r in rules})
+    if uncovered:
+        raise ValueError(f"{path}: the {format} format has no place for {_listing(uncovered)} of this config.")
+    state: Tensors = {}
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for rule in rules:
+        absent = [k for k in rule.theirs if k not in tensors]
+        if absent:
+            missing += absent
+            continue
+        sources = [tensors[k] for k in rule.theirs]
+        want = tuple(expected[rule.ours].shape)
+        try:
+            value, reason = rule.to_ours(*sources), ""
+        except RuntimeError as e:
+            value, reason = None, f" ({e})"
+        if value is None or tuple(value.shape) != want:
+            have = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(rule.theirs, sources))
+            mismatched.append(f"{have} -> {rule.ours} {want}{reason}")
+            continue
+        state[rule.ours] = value.to(expected[rule.ours].dtype)
+    unexpected = sorted(set(tensors) - {k for r in rules for k in r.theirs})
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected keys: {_listing(unexpected)}")
+    if missing:
+        problems.append(f"missing keys: {_listing(missing)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_listing(mismatched, 6)}")
+    if problems:
+        raise ValueError(
+            f"{path}: does not match the {format} layout of the inferred model (hidden_size={config.hidden_size}, "
+            f"num_layers={config.num_layers}, num_heads={config.num_heads}, classifier={config.classifier!r}); "
+            + "; ".join(problems)
+            + ". Check the file is a ViT checkpoint of this format, or pass the right overrides (e.g. num_heads=)."
+        )
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def export_tensors(model: VisionTransformer, rules: list[Rule], format: str) -> Tensors:
+    """The model's weights in a foreign layout; an error names the tensors the format has no place for."""
+    state = model.state_dict()
+    uncovered = sorted(set(state) - {r.ours for r in rules})
+    if uncovered:
+        raise ValueError(f"the {format} format has no place for {_listing(uncovered)}: export to 'vitkit' instead.")
+    out: Tensors = {}
+    for rule in rules:
+        for name, value in zip(rule.theirs, rule.to_theirs(state[rule.ours].detach().cpu())):
+            out[name] = value.contiguous()
+    return out
+
+
+def require_learned_posemb(config: ViTConfig, format: str) -> None:
+    """Foreign formats hold one learned posemb table; the other kinds (some without weights) have no place there."""
+    if config.posemb != "learn":
+        raise ValueError(f"posemb={config.posemb!r} has no place in the {format} format: only posemb='learn'.")
+
+
+def require(tensors: Tensors, key: str, path: str | os.PathLike, format: str) -> torch.Tensor:
+    """The tensor `key`, needed to infer the config; its absence means the file is not of this format."""
+    if key not in tensors:
+        raise ValueError(f"{path}: no tensor '{key}', so this is not a ViT checkpoint of the {format} format.")
+    return tensors[key]
+
+
+def infer_grid(
+    num_positions: int, image_size: int | tuple[int, int] | None, stride: tuple[int, int], path: str | os.PathLike
+) -> tuple[int, int]:
+    """The (gh, gw) patch grid of a posemb with `num_positions` patch rows: square, or that of `image_size`."""
+    side = math.isqrt(num_positions)
+    if side * side == num_positions:
+        return side, side
+    if image_size is not None:
+        h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+        if (h // stride[0]) * (w // stride[1]) == num_positions:
+            return h // stride[0], w // stride[1]
+    raise ValueError(
+        f"{path}: the position embedding has {num_positions} patch positions, which is not a square grid; "
+        "pass image_size=(height, width), the resolution the checkpoint was trained at."
+    )
+
+
+def make_config(inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike) -> ViTConfig:
+    """The inferred config with the user's overrides on top, validated."""
+    unknown = sorted(set(overrides) - set(field_names()))
+    if unknown:
+        raise ValueError(f"unknown override(s) {unknown}; valid ViTConfig fields: {field_names()}.")
+    try:
+        return ViTConfig(**{**inferred, **overrides})
+    except ValueError as e:
+        raise ValueError(f"{path}: the config inferred from the checkpoint is invalid: {e}") from e
+
+
+def read_npz(path: str | os.PathLike) -> Tensors:
+    """Every array of an `.npz` file as a tensor; object arrays (pickles) are refused."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, zlib.error) as e:
+        raise ValueError(f"{path}: not a readable .npz file ({e}). Is it truncated or of another format?") from e
+
+
+def read_torch(path: str | os.PathLike) -> Tensors:
+    """A `.pth` / `.bin` state dict through `torch.load(weights_only=True)`: plain tensors only, no code runs."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(
+            f"{path}: refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
+            "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code."
+        ) from e
+    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise ValueError(f"{path}: expected a flat state dict of tensors, got {type(data).__name__} of other things.")
+    return dict(data)

@@ -1,0 +1,122 @@
+"""timm `VisionTransformer` state dicts (`.safetensors`, or `.pth` / `.bin` read weights-only).
+
+timm's names differ from ours only at the ends (`patch_embed.proj` = `embedding`, `pos_embed` = `posemb.weight`,
+`norm` = `encoder_norm`); its blocks (`norm1`, fused `attn.qkv`, `attn.proj`, `norm2`, `mlp.fc1/fc2`, `ls1/ls2`)
+are ours. A state dict does not record the number of heads: pass `num_heads=` or get timm's rule,
+hidden_size // 64. timm uses exact GELU and LayerNorm eps 1e-6. Files written by `export` also carry the vitkit
+config and class names in the safetensors metadata, which timm ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..checkpoints import atomic_write, read_safetensors
+from ..config import ViTConfig
+from ..model import VisionTransformer
+from .common import (
+    Rule,
+    Tensors,
+    build_model,
+    export_tensors,
+    infer_grid,
+    make_config,
+    read_torch,
+    rename,
+    require,
+    require_learned_posemb,
+)
+
+FORMAT = "timm"
+_RENAMED = (("embedding.", "patch_embed.proj."), ("posemb.weight", "pos_embed"), ("encoder_norm.", "norm."))
+
+
+def timm_name(key: str) -> str:
+    """Our state-dict name -> timm's; blocks and the head are named alike."""
+    for ours, theirs in _RENAMED:
+        if key.startswith(ours):
+            return theirs + key.removeprefix(ours)
+    return key
+
+
+def rules_for(config: ViTConfig) -> list[Rule]:
+    """Every tensor of the model under timm's name."""
+    with torch.device("meta"):  # only the names are needed: no memory, no initialisation cost
+        keys = VisionTransformer(config).state_dict().keys()
+    return [rename(key, timm_name(key)) for key in keys]
+
+
+def infer_config(tensors: Tensors, path: str | os.PathLike, image_size) -> dict:
+    """The config fields the tensor shapes determine; the heads by timm's rule (hidden_size // 64)."""
+    require(tensors, "patch_embed.proj.weight", path, FORMAT)
+    if "fc_norm.weight" in tensors:
+        raise ValueError(
+            f"{path}: this timm model applies its final LayerNorm after pooling (fc_norm, global_pool='avg'); "
+            "vitkit's classifier='gap' normalises before pooling, so it cannot represent it exactly."
+        )
+    kernel = tensors["patch_embed.proj.weight"]  # (D, Cin, ph, pw)
+    hidden, token = kernel.shape[0], "cls_token" in tensors
+    patch = (kernel.shape[2], kernel.shape[3])
+    posemb = require(tensors, "pos_embed", path, FORMAT)  # (1, N, D), class-token row included
+    grid = infer_grid(posemb.shape[1] - token, image_size, patch, path)
+    return dict(
+        image_size=(grid[0] * patch[0], grid[1] * patch[1]),
+        patch_size=patch,
+        in_chans=kernel.shape[1],
+        num_classes=tensors["head.weight"].shape[0] if "head.weight" in tensors else 0,
+        hidden_size=hidden,
+        num_layers=len({k.split(".")[1] for k in tensors if k.startswith("blocks.")}),
+        num_heads=hidden // 64,
+        mlp_dim=require(tensors, "blocks.0.mlp.fc1.weight", path, FORMAT).shape[0],
+        classifier="token" if token else "gap",
+        layer_scale_init=1e-5 if "blocks.0.ls1.gamma" in tensors else None,
+        act="gelu",
+        layer_norm_eps=1e-6,
+        qkv_bias="blocks.0.attn.qkv.bias" in tensors,
+    )
+
+
+def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
+    """A timm state dict as a model; the config comes from the tensor shapes (or vitkit's metadata, if present)."""
+    if Path(path).suffix == ".safetensors":
+        tensors, metadata = read_safetensors(path)
+    else:
+        tensors, metadata = read_torch(path), {}
+    if "vitkit_config" in metadata:
+        inferred = json.loads(metadata["vitkit_config"])
+    else:
+        inferred = infer_config(tensors, path, image_size)
+        if "num_heads" not in overrides and inferred["hidden_size"] % 64:
+            raise ValueError(
+                f"{path}: a timm state dict does not record the number of heads and hidden_size="
+                f"{inferred['hidden_size']} is not a multiple of 64 (timm's usual head width): pass num_heads=."
+            )
+    config = make_config(inferred, overrides, path)
+    model = build_model(config, rules_for(config), tensors, path, FORMAT)
+    if "class_names" in metadata:
+        model.class_names = json.loads(metadata["class_names"])
+    return model
+
+
+def export(model: VisionTransformer, path: str | os.PathLike) -> None:
+    """A safetensors state dict that timm's `VisionTransformer` with the matching arguments loads strictly.
+
+    Matching arguments: `img_size`, `patch_size`, `embed_dim`, `depth`, `num_heads`, `mlp_ratio`, `qkv_bias`,
+    `num_classes`, `class_token=False, global_pool='avg', fc_norm=False` for gap models, `init_values` with layer
+    scale, and a tanh `act_layer` for gelu_tanh models. timm has no pre-logits layer.
+    """
+    require_learned_posemb(model.config, FORMAT)
+    if model.config.hybrid:
+        raise ValueError(f"hybrid={model.config.hybrid}: timm's hybrid layout differs; export to 'npz' or 'vitkit'.")
+    if model.config.representation_size:
+        raise ValueError("timm's VisionTransformer has no pre-logits layer: drop it with model.reset_head(...) first.")
+    tensors: Tensors = export_tensors(model, rules_for(model.config), FORMAT)
+    metadata = {"format": "pt", "vitkit_config": json.dumps(model.config.to_dict())}
+    if model.class_names is not None:
+        metadata["class_names"] = json.dumps(list(model.class_names))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata))

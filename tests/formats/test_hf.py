@@ -1,0 +1,124 @@
+"""Hugging Face ViT directories: random HF models saved natively load with identical outputs and labels."""
+
+import json
+
+import pytest
+import torch
+from transformers import ViTConfig as HFConfig
+from transformers import ViTForImageClassification, ViTModel
+
+import vitkit
+from vitkit import VisionTransformer, ViTConfig
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+            patch_size=8, num_labels=4)  # fmt: skip
+CASES = {
+    "token_labels": dict(id2label={0: "ant", 1: "bee", 2: "cat", 3: "dog"}, label2id={}),
+    "wider_tanh_gelu": dict(hidden_size=48, num_attention_heads=3, hidden_act="gelu_pytorch_tanh"),
+    "non_square_no_qkv_bias": dict(image_size=(32, 48), qkv_bias=False, layer_norm_eps=1e-6),
+    "no_labels": dict(num_labels=0),
+}
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def image(config) -> torch.Tensor:
+    h, w = config.image_size
+    return torch.randn(2, config.in_chans, h, w)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_random_hf_model_loads_with_the_same_outputs(tmp_path, case):
+    hf_config = HFConfig(**TINY | CASES[case])
+    theirs = perturbed(ViTForImageClassification(hf_config))
+    theirs.save_pretrained(tmp_path)
+    ours = vitkit.load_checkpoint(tmp_path)
+    x = image(ours.config)
+    with torch.no_grad():
+        out = theirs(pixel_values=x, output_hidden_states=True)
+        torch.testing.assert_close(ours(x), out.logits, atol=1e-5, rtol=0)
+        encoded = theirs.vit.layernorm(out.hidden_states[-1])
+        torch.testing.assert_close(ours.forward_features(x), encoded, atol=1e-5, rtol=0)
+    assert ours.config.layer_norm_eps == hf_config.layer_norm_eps and ours.config.qkv_bias == hf_config.qkv_bias
+    assert ours.class_names == (["ant", "bee", "cat", "dog"] if case == "token_labels" else None)
+
+
+def test_hf_pytorch_model_bin_directory_loads(tmp_path):
+    theirs = perturbed(ViTForImageClassification(HFConfig(**TINY)))
+    theirs.save_pretrained(tmp_path)  # the on-disk names, which transformers 5 renames in memory
+    weights = vitkit.checkpoints.read_safetensors(tmp_path / "model.safetensors")[0]
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            vitkit.load_checkpoint(tmp_path)(x), theirs(pixel_values=x).logits, atol=1e-5, rtol=0
+        )
+
+
+def test_hf_sharded_safetensors_directory_loads(tmp_path):
+    theirs = perturbed(ViTForImageClassification(HFConfig(**TINY)))
+    theirs.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            vitkit.load_checkpoint(tmp_path)(x), theirs(pixel_values=x).logits, atol=1e-5, rtol=0
+        )
+
+
+def test_hf_vit_model_pooler_is_the_pre_logits_layer(tmp_path):
+    theirs = perturbed(ViTModel(HFConfig(**TINY)))
+    theirs.save_pretrained(tmp_path)
+    ours = vitkit.load_checkpoint(tmp_path)
+    assert ours.config.num_classes == 0 and ours.config.representation_size == 32
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(pixel_values=x).pooler_output, atol=1e-5, rtol=0)
+
+
+def test_hf_export_loads_in_transformers_with_the_same_outputs_and_labels(tmp_path):
+    config = ViTConfig(image_size=(32, 48), patch_size=8, hidden_size=48, num_layers=2, num_heads=3, mlp_dim=96,
+                       num_classes=3, act="gelu_tanh", layer_norm_eps=1e-12, qkv_bias=False)  # fmt: skip
+    ours = perturbed(VisionTransformer(config))
+    ours.class_names = ["ant", "bee", "cat"]
+    vitkit.export(ours, tmp_path / "hf", format="hf")
+    theirs, info = ViTForImageClassification.from_pretrained(
+        tmp_path / "hf", local_files_only=True, output_loading_info=True
+    )
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+    theirs.eval()
+    x = image(config)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(pixel_values=x).logits, ours(x), atol=1e-5, rtol=0)
+    assert theirs.config.id2label == {0: "ant", 1: "bee", 2: "cat"}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["ViTForImageClassification"]
+
+
+@pytest.mark.parametrize("headless", [False, True])
+def test_vitkit_to_hf_to_vitkit_is_bit_exact(tmp_path, headless):
+    changes = dict(num_classes=0, representation_size=32) if headless else dict(num_classes=3, dropout_rate=0.1)
+    config = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, **changes)
+    model = perturbed(VisionTransformer(config))
+    model.class_names = None if headless else ["ant", "bee", "cat"]
+    vitkit.export(model, tmp_path / "hf", format="hf")
+    loaded = vitkit.load_checkpoint(tmp_path / "hf")
+    assert loaded.config == model.config and loaded.class_names == model.class_names
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_hf_export_refuses_what_hf_vit_cannot_hold(tmp_path):
+    base = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=1, num_heads=2, mlp_dim=64, num_classes=3)
+    for changes, message in [
+        (dict(classifier="gap"), "class token"),
+        (dict(representation_size=16), "no pre-logits layer"),
+        (dict(posemb="sincos2d"), "posemb='sincos2d'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            vitkit.export(VisionTransformer(ViTConfig(**base | changes)), tmp_path / "hf", format="hf")

@@ -1,0 +1,100 @@
+"""timm VisionTransformer state dicts: random timm models saved natively load with identical outputs."""
+
+from functools import partial
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from timm.models.vision_transformer import VisionTransformer as TimmViT
+from torch import nn
+
+import vitkit
+from vitkit import VisionTransformer, ViTConfig
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=1, mlp_ratio=2.0, num_classes=5)
+CASES = {  # name: (timm arguments, file suffix, vitkit load arguments)
+    "token": ({}, ".safetensors", {}),
+    "wider_pth": (dict(embed_dim=128, num_heads=2), ".pth", {}),
+    "heads_override": (dict(embed_dim=48, num_heads=3), ".safetensors", dict(num_heads=3)),
+    "non_square_bin": (dict(img_size=(32, 48)), ".bin", dict(image_size=(32, 48))),
+    "gap_no_qkv_bias": (dict(class_token=False, global_pool="avg", fc_norm=False, qkv_bias=False), ".safetensors", {}),
+    "layer_scale": (dict(init_values=0.1), ".safetensors", {}),
+}
+
+
+def perturbed(model: nn.Module) -> nn.Module:
+    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_native(model: nn.Module, path):
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, path) if path.suffix == ".safetensors" else torch.save(state, path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_random_timm_model_loads_with_the_same_outputs(tmp_path, case):
+    args, suffix, load_args = CASES[case]
+    theirs = perturbed(TimmViT(**TINY | args))
+    save_native(theirs, tmp_path / f"timm{suffix}")
+    ours = vitkit.load_checkpoint(tmp_path / f"timm{suffix}", **load_args)
+    h, w = (args.get("img_size", 32),) * 2 if isinstance(args.get("img_size", 32), int) else args["img_size"]
+    x = torch.randn(2, 3, h, w)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+    assert ours.config.act == "gelu" and ours.config.layer_norm_eps == 1e-6
+
+
+def test_timm_fc_norm_layout_is_refused_with_the_reason(tmp_path):
+    save_native(TimmViT(**TINY | dict(class_token=False, global_pool="avg")), tmp_path / "fc_norm.safetensors")
+    with pytest.raises(ValueError, match=r"fc_norm.safetensors.*fc_norm, global_pool='avg'"):
+        vitkit.load_checkpoint(tmp_path / "fc_norm.safetensors")
+
+
+def test_timm_width_off_the_64_grid_needs_num_heads(tmp_path):
+    save_native(TimmViT(**TINY | dict(embed_dim=48, num_heads=3)), tmp_path / "w48.safetensors")
+    with pytest.raises(ValueError, match="hidden_size=48 .*pass num_heads="):
+        vitkit.load_checkpoint(tmp_path / "w48.safetensors")
+
+
+EXPORTS = {  # vitkit config changes: matching timm arguments
+    "token": ({}, {}),
+    "gap_tanh_gelu": (
+        dict(classifier="gap", act="gelu_tanh", qkv_bias=False),
+        dict(
+            class_token=False,
+            global_pool="avg",
+            fc_norm=False,
+            qkv_bias=False,
+            act_layer=partial(nn.GELU, approximate="tanh"),
+        ),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", EXPORTS)
+def test_timm_export_loads_strictly_into_timm_with_the_same_outputs(tmp_path, case):
+    changes, timm_args = EXPORTS[case]
+    base = dict(image_size=32, patch_size=8, hidden_size=64, num_layers=2, num_heads=2, mlp_dim=128, num_classes=5)
+    ours = perturbed(VisionTransformer(ViTConfig(**base | changes)))
+    vitkit.export(ours, tmp_path / "t.safetensors", format="timm")
+    theirs = TimmViT(**TINY | dict(num_heads=2) | timm_args).eval()
+    theirs.load_state_dict(vitkit.checkpoints.read_safetensors(tmp_path / "t.safetensors")[0], strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+
+
+def test_vitkit_to_timm_to_vitkit_is_bit_exact_with_class_names(tmp_path):
+    config = ViTConfig(image_size=(32, 48), patch_size=8, hidden_size=48, num_layers=2, num_heads=3, mlp_dim=96,
+                       num_classes=3, layer_scale_init=0.5)  # fmt: skip
+    model = perturbed(VisionTransformer(config))
+    model.class_names = ["cat", "dog", "emu"]
+    vitkit.export(model, tmp_path / "t.safetensors", format="timm")
+    loaded = vitkit.load_checkpoint(tmp_path / "t.safetensors")
+    assert loaded.config == model.config and loaded.class_names == model.class_names
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())

@@ -1,0 +1,149 @@
+"""Loading and exporting across formats: detection, refusal of pickled code, clear errors, the convert CLI."""
+
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import vitkit
+from vitkit.cli import main
+from vitkit.formats import detect_format
+
+TINY = dict(image_size=32, patch_size=8, hidden_size=64, num_layers=2, num_heads=1, mlp_dim=128, num_classes=5)
+
+
+def tiny(**changes) -> vitkit.VisionTransformer:
+    return vitkit.VisionTransformer(vitkit.ViTConfig(**TINY | changes)).eval()
+
+
+class CodeOnUnpickle:
+    """Unpickling this object creates `marker`: the stand-in for arbitrary code in a malicious checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def write_payload(path: Path, marker: Path, kind: str) -> None:
+    payload = {"pos_embed": torch.zeros(1, 5, 64), "evil": CodeOnUnpickle(marker)}
+    if kind == "zip":
+        torch.save(payload, path)  # the modern .pth layout: a zip holding data.pkl
+    else:
+        path.write_bytes(pickle.dumps(payload, protocol=2))  # a bare pickle, as legacy .bin files are
+
+
+def test_payload_runs_code_when_unpickled_unsafely(tmp_path):
+    write_payload(tmp_path / "control.pth", tmp_path / "control_ran", "zip")
+    torch.load(tmp_path / "control.pth", weights_only=False)
+    assert (tmp_path / "control_ran").exists()
+
+
+@pytest.mark.parametrize("where,kind", [("model.pth", "zip"), ("model.bin", "raw"), ("hf/pytorch_model.bin", "zip")])
+def test_malicious_pickle_is_refused_and_never_executed(tmp_path, where, kind):
+    path, marker = tmp_path / where, tmp_path / "code_ran"
+    path.parent.mkdir(exist_ok=True)
+    write_payload(path, marker, kind)
+    if where.startswith("hf/"):
+        (path.parent / "config.json").write_text('{"model_type": "vit"}')
+    with pytest.raises(ValueError, match=rf"{path.name}: refused or unreadable as a weights-only torch file"):
+        vitkit.load_checkpoint(path.parent if where.startswith("hf/") else path)
+    assert not marker.exists()
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("kind", ["npz", "vitkit", "timm_safetensors", "timm_pth", "hf"])
+def test_truncated_file_gives_an_error_naming_it(tmp_path, fixtures_dir, kind):
+    model = tiny()
+    target = {
+        "npz": tmp_path / "m.npz",
+        "vitkit": tmp_path / "m.safetensors",
+        "timm_safetensors": tmp_path / "t.safetensors",
+        "timm_pth": tmp_path / "t.pth",
+        "hf": tmp_path / "hf" / "model.safetensors",
+    }[kind]
+    if kind == "npz":
+        shutil.copy(fixtures_dir / "vit_tiny_token_params.npz", target)
+    elif kind == "timm_pth":
+        vitkit.export(model, tmp_path / "t.safetensors", format="timm")
+        torch.save(vitkit.checkpoints.read_safetensors(tmp_path / "t.safetensors")[0], target)
+    else:
+        vitkit.export(model, target.parent if kind == "hf" else target, format=kind.split("_")[0])
+    truncate(target)
+    with pytest.raises(ValueError, match=target.name):
+        vitkit.load_checkpoint(target.parent if kind == "hf" else target)
+
+
+def test_missing_unexpected_and_misshapen_keys_are_all_listed(tmp_path):
+    vitkit.export(tiny(), tmp_path / "good.safetensors", format="timm")
+    state = vitkit.checkpoints.read_safetensors(tmp_path / "good.safetensors")[0]
+    del state["blocks.1.attn.proj.bias"]
+    state["blocks.0.attn.q_norm.weight"] = torch.ones(64)
+    state["head.bias"] = torch.zeros(7)
+    save_file(state, tmp_path / "bad.safetensors")  # no vitkit metadata: the config is inferred from the tensors
+    with pytest.raises(ValueError) as info:
+        vitkit.load_checkpoint(tmp_path / "bad.safetensors")
+    message = str(info.value)
+    assert "bad.safetensors" in message
+    assert "unexpected keys: blocks.0.attn.q_norm.weight" in message
+    assert "missing keys: blocks.1.attn.proj.bias" in message
+    assert "shape mismatches: head.bias (7,) -> head.bias (5,)" in message
+
+
+def test_auto_detection_tells_every_format_apart(tmp_path, fixtures_dir):
+    model = tiny()
+    vitkit.save(model, tmp_path / "v.safetensors")
+    vitkit.export(model, tmp_path / "t.safetensors", format="timm")
+    vitkit.export(model, tmp_path / "hf", format="hf")
+    found = [detect_format(p) for p in (tmp_path / "v.safetensors", tmp_path / "t.safetensors", tmp_path / "hf")]
+    assert found + [detect_format(fixtures_dir / "vit_tiny_token_params.npz")] == ["vitkit", "timm", "hf", "npz"]
+    (tmp_path / "m.ckpt").write_bytes(b"?")
+    with pytest.raises(ValueError, match=r"m\.ckpt.*pass format="):
+        vitkit.load_checkpoint(tmp_path / "m.ckpt")
+    with pytest.raises(FileNotFoundError, match="absent"):
+        vitkit.load_checkpoint(tmp_path / "absent.npz")
+
+
+def test_unknown_format_names_are_refused_with_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="format='onnx' is unknown: use 'auto' or one of vitkit, npz, timm, hf"):
+        vitkit.load_checkpoint(tmp_path / "m.npz", format="onnx")
+    with pytest.raises(ValueError, match="format='onnx' is unknown"):
+        vitkit.export(tiny(), tmp_path / "m.onnx", format="onnx")
+
+
+def test_export_refuses_what_a_format_cannot_hold(tmp_path):
+    with pytest.raises(ValueError, match="posemb='learn2d' has no place in the npz format"):
+        vitkit.export(tiny(posemb="learn2d"), tmp_path / "m.npz", format="npz")
+    with pytest.raises(ValueError, match="timm's VisionTransformer has no pre-logits layer"):
+        vitkit.export(tiny(representation_size=8), tmp_path / "t.safetensors", format="timm")
+    with pytest.raises(ValueError, match="npz format has no place for blocks.0.ls1.gamma"):
+        vitkit.export(tiny(layer_scale_init=0.1), tmp_path / "m.npz", format="npz")
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_convert_cli_turns_official_npz_into_each_format(tmp_path, fixtures_dir, capsys):
+    src = fixtures_dir / "vit_tiny_token_params.npz"
+    reference = vitkit.load_checkpoint(src)
+    x = torch.randn(1, 3, 32, 32)
+    for fmt, dst in [("vitkit", "m.safetensors"), ("timm", "t.safetensors"), ("hf", "hf"), ("npz", "m.npz")]:
+        assert main(["convert", str(src), str(tmp_path / dst), "--to", fmt]) == 0
+        converted = vitkit.load_checkpoint(tmp_path / dst)
+        assert converted.config == reference.config, fmt
+        assert torch.equal(converted(x), reference(x)), fmt
+    assert "3 layers, D=192, 3 heads" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "absent.npz"), str(tmp_path / "x"), "--to", "hf"]) == 2
+    assert "absent.npz" in capsys.readouterr().err
+
+
+def test_npz_arrays_of_object_dtype_are_refused(tmp_path):
+    np.savez(tmp_path / "obj.npz", embedding=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ValueError, match=r"obj\.npz: not a readable \.npz file"):
+        vitkit.load_checkpoint(tmp_path / "obj.npz")
