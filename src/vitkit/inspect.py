@@ -21,8 +21,8 @@ from torch import nn
 
 from .model import Learned2dPosemb, LearnedPosemb, SinCos2dPosemb, VisionTransformer
 
-GAP_QUERY = "mean over all query tokens (a gap model has no class token)"
-CLS_QUERY = "class token"
+GAP_QUERY = "the mean over all query tokens (a gap model has no class token)"
+CLS_QUERY = "the class token"
 
 
 @dataclass(frozen=True)

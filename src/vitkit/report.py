@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from PIL import Image
@@ -106,34 +107,73 @@ def _off(ax) -> None:
     ax.set_yticks([])
 
 
+def mosaic(tiles: np.ndarray, columns: int, pad: int = 1, background: float = 1.0) -> np.ndarray:
+    """Tiles (n, h, w, c) laid out row by row, `columns` per row, `pad` pixels of `background` between them."""
+    n, h, w, c = tiles.shape
+    rows = -(-n // columns)
+    out = np.full((rows * (h + pad) - pad, columns * (w + pad) - pad, c), background, dtype=np.float32)
+    for i, tile in enumerate(tiles):
+        r, col = divmod(i, columns)
+        out[r * (h + pad) : r * (h + pad) + h, col * (w + pad) : col * (w + pad) + w] = tile
+    return out
+
+
+def _mosaic_figure(
+    image: np.ndarray,
+    title: str,
+    inches: float,
+    labels: tuple[str, str] | None = None,
+    tiles: tuple[int, int] = (1, 1),
+    colorbar: str | None = None,
+    **imshow,
+) -> Figure:
+    """A figure showing one mosaic `inches` wide; with `labels` (rows, columns) the (rows, columns) `tiles` are
+    numbered; with `colorbar` a colour bar of that name stands on the right."""
+    left, right, top, bottom = 0.55, 1.1, 0.85, 0.15  # inches
+    height = inches * image.shape[0] / image.shape[1]
+    width_in, height_in = inches + left + right, height + top + bottom
+    fig = Figure(figsize=(width_in, height_in), dpi=DPI)
+    ax = fig.add_axes((left / width_in, bottom / height_in, inches / width_in, height / height_in))
+    shown = ax.imshow(image, interpolation="nearest", **imshow)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if colorbar:
+        bar = fig.add_axes(((inches + left + 0.15) / width_in, bottom / height_in, 0.18 / width_in, height / height_in))
+        fig.colorbar(shown, cax=bar, label=colorbar)
+    if labels is not None:
+        rows, columns = tiles
+        ax.set_yticks((np.arange(rows) + 0.5) * image.shape[0] / rows, [str(i + 1) for i in range(rows)], fontsize=7)
+        ax.set_xticks(
+            (np.arange(columns) + 0.5) * image.shape[1] / columns, [str(i + 1) for i in range(columns)], fontsize=7
+        )
+        ax.tick_params(length=0, labeltop=True, labelbottom=False)
+        ax.set_ylabel(labels[0], fontsize=8)
+        ax.set_title(labels[1], fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def plot_embedding_filters(filters: vi.EmbeddingFilters, columns: int = 7) -> Figure:
     """The principal components as small image patches, strongest first, each rescaled to [0, 1]."""
-    k = filters.components.shape[0]
-    rows = -(-k // columns)
-    fig = Figure(figsize=(columns * 0.9, rows * 0.9 + 0.4), dpi=DPI)
-    for i, component in enumerate(filters.components):
-        ax = fig.add_subplot(rows, columns, i + 1)
-        c = (component - component.min()) / (component.max() - component.min()).clamp(min=1e-12)
-        ax.imshow(c.permute(1, 2, 0).numpy() if c.shape[0] == 3 else c.mean(0).numpy(), cmap="gray")
-        _off(ax)
-    fig.suptitle("Patch-embedding filters: principal components", fontsize=10)
-    fig.tight_layout()
-    return fig
+    c = filters.components
+    lo, hi = c.amin(dim=(1, 2, 3), keepdim=True), c.amax(dim=(1, 2, 3), keepdim=True)
+    tiles = ((c - lo) / (hi - lo).clamp(min=1e-12)).permute(0, 2, 3, 1).numpy()  # (k, ph, pw, C)
+    if tiles.shape[-1] != 3:
+        tiles = tiles.mean(axis=-1, keepdims=True).repeat(3, axis=-1)
+    pad = max(tiles.shape[1] // 8, 1)
+    return _mosaic_figure(mosaic(tiles, min(columns, len(tiles)), pad), "Embedding filters (principal components)", 5)
 
 
 def plot_posemb_similarity(similarity: torch.Tensor) -> Figure:
     """One small map per patch (at the patch's place): its posemb's cosine similarity with every patch's."""
     gh, gw = similarity.shape[:2]
-    fig = Figure(figsize=(min(0.5 * gw, 7) + 1.0, min(0.5 * gh, 7) + 0.5), dpi=DPI)
-    grid = fig.add_gridspec(gh, gw, left=0.05, right=0.82, top=0.92, bottom=0.04, wspace=0.08, hspace=0.08)
-    for i in range(gh):
-        for j in range(gw):
-            ax = fig.add_subplot(grid[i, j])
-            shown = ax.imshow(similarity[i, j].numpy(), cmap="viridis", vmin=-1, vmax=1)
-            _off(ax)
-    fig.colorbar(shown, cax=fig.add_axes((0.86, 0.1, 0.03, 0.75)), label="cosine similarity")
-    fig.suptitle("Position embedding similarity", fontsize=10)
-    return fig
+    tiles = similarity.reshape(gh * gw, gh, gw, 1).numpy()
+    image = mosaic(tiles, gw, pad=max(gh // 8, 1), background=np.nan)[..., 0]
+    labels = ("input patch row", "input patch column")
+    title = "Position embedding similarity"
+    return _mosaic_figure(image, title, 5, labels, (gh, gw), "cosine similarity", cmap="viridis", vmin=-1, vmax=1)
 
 
 def plot_attention_distance(distance: torch.Tensor, uniform: float) -> Figure:
@@ -149,31 +189,31 @@ def plot_attention_distance(distance: torch.Tensor, uniform: float) -> Figure:
     ax.set_xlabel("network depth (layer)")
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_xticks(np.arange(1, layers + 1))
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.15 * max(float(distance.max()), uniform))
     ax.legend(fontsize=7, loc="lower right", ncol=2)
     ax.set_title("Mean attention distance per head", fontsize=10)
     fig.tight_layout()
     return fig
 
 
+def _overlay(image: np.ndarray, heat: np.ndarray, cmap: str = "inferno", alpha: float = 0.6) -> np.ndarray:
+    """Blend a (gh, gw) heat map, scaled to its own maximum and enlarged by pixel repetition, over an image."""
+    h, w = image.shape[:2]
+    heat = heat / max(float(heat.max()), 1e-12)
+    heat = heat.repeat(h // heat.shape[0], axis=0).repeat(w // heat.shape[1], axis=1)
+    rgb = image if image.ndim == 3 else image[..., None].repeat(3, axis=-1)
+    return (1 - alpha) * rgb + alpha * colormaps[cmap](heat)[..., :3]
+
+
 def plot_attention_maps(maps: vi.AttentionMaps, image: torch.Tensor) -> Figure:
-    """Rows are layers, columns heads: each head's attention to the patches, over the image."""
+    """Rows are layers, columns heads: each head's attention to the patches over the image, each map scaled to
+    its own maximum."""
     layers, heads = maps.maps.shape[:2]
     shown = _display(image)
-    h, w = shown.shape[:2]
-    fig = Figure(figsize=(1.3 * heads + 0.6, 1.3 * layers + 0.5), dpi=DPI)
-    for layer in range(layers):
-        for head in range(heads):
-            ax = fig.add_subplot(layers, heads, layer * heads + head + 1)
-            ax.imshow(shown, cmap="gray", extent=(0, w, h, 0))
-            ax.imshow(maps.maps[layer, head].numpy(), cmap="inferno", alpha=0.65, extent=(0, w, h, 0))
-            _off(ax)
-            if layer == 0:
-                ax.set_title(f"head {head + 1}", fontsize=8)
-            if head == 0:
-                ax.set_ylabel(f"layer {layer + 1}", fontsize=8)
-    fig.tight_layout()
-    return fig
+    tiles = np.stack([_overlay(shown, m.numpy()) for m in maps.maps.reshape(layers * heads, *maps.maps.shape[2:])])
+    pad = max(shown.shape[0] // 16, 1)
+    title = "Attention of each head at each layer"
+    return _mosaic_figure(mosaic(tiles, heads, pad), title, min(1.1 * heads, 9), ("layer", "head"), (layers, heads))
 
 
 def plot_saliency(
@@ -224,14 +264,15 @@ CAPTIONS = {
     "saliency": (
         "Per image: the input, the <b>attention rollout</b> (paper Figs. 6 and 14: heads averaged, the residual "
         "added as 0.5&middot;A + 0.5&middot;I, the layers multiplied; Abnar &amp; Zuidema 2020) and the "
-        "<b>occlusion map</b>. Rollout shows how attention mixes information into {query}; it has one value per "
-        "patch, upsampled, and it is <i>not</i> an attribution: a region can receive attention and not matter "
-        "for the prediction. The occlusion map is an attribution: red where hiding a window (the image's mean "
-        "colour over a patch-sized square) lowers the predicted class's probability, blue where it raises it. "
+        "<b>occlusion map</b>. Rollout shows how attention carries information from the patches to "
+        "{query}; it has one value per patch, upsampled, and it is <i>not</i> an attribution: a region can "
+        "receive attention and not matter for the prediction. The occlusion map is an attribution: red where "
+        "hiding a window (the image's mean colour over a patch-sized square) lowers the predicted class's "
+        "probability, blue where it raises it. "
         "Green boxes are the known object boxes."
     ),
     "attention_maps": (
-        "Attention of {query} on every patch, for each layer (rows) and head (columns), on the first image. "
+        "Attention from {query} to every patch, for each layer (rows) and head (columns), on the first image. "
         "Single heads are noisy and several attend to the same few tokens; rollout combines them."
     ),
     "attention_distance": (
@@ -362,9 +403,8 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{heading}</title>'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
         f"<body><h1>{heading}</h1><p class='note'>The paper's analysis figures (Dosovitskiy et al., ICLR 2021, "
-        f"Figs. 6, 7, 14) for this model on {n} image(s), made by <code>vitkit inspect</code>.</p>"
-        + "".join(parts)
-        + "</body></html>"
+        f"Figs. 6, 7, 14) for this model on {n} image(s), made by <code>vitkit inspect</code>. Images: "
+        f"{html.escape(', '.join(samples.titles))}.</p>" + "".join(parts) + "</body></html>"
     )
     path = out / "report.html"
     path.write_text(page, encoding="utf-8")
