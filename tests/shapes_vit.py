@@ -1,7 +1,9 @@
 """A small ViT trained on the synthetic shapes for the end-to-end inspection tests, once per test session.
 
-A plain loop (the training module lives elsewhere): Adam with one-cycle schedule, random images of the
-`shapes` train split at 32 px, 4x4 patches of 8 px. About a minute on two cores.
+A plain loop (the training module lives elsewhere): Adam with a one-cycle schedule, 500 batches of 64 from 6000
+images of the `shapes` train split at 32 px; 4x4 patches of 8 px, 3 layers of width 64, global average pooling
+(which localised better than a class token in a short trial). About 30 s on two idle cores; it reaches only
+about 30% test accuracy (chance 17%), yet already looks at the shape.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ def trained_shapes_vit() -> vitkit.VisionTransformer:
     labels = torch.tensor([dataset[i][1] for i in range(len(dataset))])
     torch.manual_seed(0)
     config = vitkit.ViTConfig(
-        image_size=IMAGE_SIZE, patch_size=8, hidden_size=64, num_layers=4, num_heads=4, mlp_dim=128, num_classes=6
+        image_size=IMAGE_SIZE,
+        patch_size=8,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        mlp_dim=128,
+        num_classes=6,
+        classifier="gap",
     )
     model = vitkit.VisionTransformer(config)
     model.class_names = list(ShapesDataset.classes)
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=STEPS, pct_start=0.1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=STEPS, pct_start=0.1)
     generator = torch.Generator().manual_seed(0)
     for _ in range(STEPS):
         batch = torch.randint(0, len(dataset), (BATCH,), generator=generator)

@@ -185,13 +185,13 @@ def shapes_maps():
     model = trained_shapes_vit()
     samples = held_out_shapes(model, count=40)
     rollout = torch.stack([vi.attention_rollout(model, x).upsampled for x in samples.images])
-    occlusion = torch.stack([vi.occlusion_sensitivity(model, x, stride=8).drop for x in samples.images])
+    occlusion = torch.stack([vi.occlusion_sensitivity(model, x, stride=4).drop for x in samples.images])
     return vi.localisation(rollout, samples.boxes), vi.localisation(occlusion, samples.boxes)
 
 
 def test_trained_vit_rollout_peaks_inside_the_object_box_far_above_chance(shapes_maps):
     rollout, _ = shapes_maps
-    # Measured: peak inside the box for 0.90 of 40 test images, positive mass 0.33; chance (box area) 0.16.
+    # Measured: peak inside the box for 0.78 of 40 test images, positive mass 0.33; chance (box area) 0.16.
     assert rollout.chance < 0.2
     assert rollout.hit_rate > 3 * rollout.chance
     assert rollout.mass_inside > 1.5 * rollout.chance
@@ -199,6 +199,6 @@ def test_trained_vit_rollout_peaks_inside_the_object_box_far_above_chance(shapes
 
 def test_trained_vit_occlusion_peaks_inside_the_object_box_above_chance(shapes_maps):
     _, occlusion = shapes_maps
-    # Measured: peak inside the box for 0.xx of 40 test images, positive mass 0.xx; chance 0.16.
-    assert occlusion.hit_rate > 2 * occlusion.chance
-    assert occlusion.mass_inside > 1.3 * occlusion.chance
+    # Measured: peak inside the box for 0.73 of 40 test images, positive mass 0.56; chance (box area) 0.16.
+    assert occlusion.hit_rate > 3 * occlusion.chance
+    assert occlusion.mass_inside > 2 * occlusion.chance

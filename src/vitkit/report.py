@@ -222,7 +222,7 @@ def plot_saliency(
     """For each image: the input, its attention rollout and its occlusion map; object boxes in green."""
     n = samples.images.shape[0]
     blocks, per_row = -(-n // PER_ROW), min(n, PER_ROW)
-    fig = Figure(figsize=(1.9 * per_row + 0.9, 5.9 * blocks), dpi=DPI)
+    fig = Figure(figsize=(1.9 * per_row + 0.9, 6.4 * blocks), dpi=DPI)
     kinds = ("input", "rollout", "occlusion")
     for i in range(n):
         block, column = divmod(i, PER_ROW)
@@ -309,10 +309,9 @@ def _note_html(name: str, heading: str, text: str) -> str:
     return f'<section id="{name}"><h2>{html.escape(heading)}</h2><p class="note">{html.escape(text)}</p></section>'
 
 
-def _config_html(model: VisionTransformer) -> str:
-    rows = "".join(
-        f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in model.config.to_dict().items()
-    )
+def _config_html(model: VisionTransformer, per_row: int = 4) -> str:
+    cells = [f"<th>{html.escape(k)}</th><td>{html.escape(str(v))}</td>" for k, v in model.config.to_dict().items()]
+    rows = "".join(f"<tr>{''.join(cells[i : i + per_row])}</tr>" for i in range(0, len(cells), per_row))
     params = sum(p.numel() for p in model.parameters())
     classes = ", ".join(model.class_names) if model.class_names else "not recorded in the checkpoint"
     return (
