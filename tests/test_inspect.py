@@ -122,7 +122,8 @@ def test_filter_pca_variance_is_the_variance_of_the_filters_along_each_component
 
 
 def test_filter_pca_reports_the_hybrid_embedding_is_not_image_like():
-    model = vitkit.create_model("R26+ViT-B/32", image_size=64, num_classes=2, hidden_size=64, num_heads=2, mlp_dim=64)
+    stem = vitkit.ResNetConfig(num_layers=(1, 1))  # stride 8, 512 channels
+    model = VisionTransformer(vitkit.ViTConfig(image_size=32, patch_size=1, hybrid=stem, hidden_size=32, num_heads=2))
     filters = vi.embedding_filters(model, k=5)
     assert not filters.image_like
     assert "not image patches" in filters.note and "1x1" in filters.note
@@ -185,7 +186,7 @@ def shapes_maps():
     model = trained_shapes_vit()
     samples = held_out_shapes(model, count=40)
     rollout = torch.stack([vi.attention_rollout(model, x).upsampled for x in samples.images])
-    occlusion = torch.stack([vi.occlusion_sensitivity(model, x, stride=4).drop for x in samples.images])
+    occlusion = torch.stack([vi.occlusion_sensitivity(model, x).drop for x in samples.images])
     return vi.localisation(rollout, samples.boxes), vi.localisation(occlusion, samples.boxes)
 
 

@@ -99,9 +99,10 @@ def test_inspect_cli_names_a_missing_image_file(tmp_path, capsys):
 
 
 def test_report_explains_figures_a_model_cannot_have(tmp_path):
-    spec = dict(image_size=64, num_classes=2, hidden_size=32, num_heads=2, mlp_dim=32, num_layers=1)
-    hybrid = vitkit.create_model("R26+ViT-B/32", posemb="relative", **spec)
-    samples = Samples(torch.rand(1, 3, 64, 64) * 2 - 1, ["noise"])
+    stem = vitkit.ResNetConfig(num_layers=(1, 1))  # stride 8
+    spec = dict(image_size=32, patch_size=2, num_classes=2, hidden_size=32, num_heads=2, mlp_dim=32, num_layers=1)
+    hybrid = VisionTransformer(vitkit.ViTConfig(hybrid=stem, posemb="relative", **spec))
+    samples = Samples(torch.rand(1, 3, 32, 32) * 2 - 1, ["noise"])
     html = write_report(hybrid.eval(), samples, tmp_path).read_text()
     assert "not image patches" in html and "posemb=&#x27;relative&#x27; adds no per-patch embedding" in html
     assert not (tmp_path / "embedding_filters.png").exists() and not (tmp_path / "posemb_similarity.png").exists()
