@@ -3,7 +3,7 @@
 A plain loop (the training module lives elsewhere): Adam with a one-cycle schedule, 500 batches of 64 from 6000
 images of the `shapes` train split at 32 px; 4x4 patches of 8 px, 3 layers of width 64, global average pooling
 (which localised better than a class token in a short trial). About 25 s on one core; it reaches only
-about 30% test accuracy (chance 17%), yet already looks at the shape.
+about 32% test accuracy (chance 17%), yet already looks at the shape.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def _mosaic_figure(
 ) -> Figure:
     """A figure showing one mosaic `inches` wide; with `labels` (rows, columns) the (rows, columns) `tiles` are
     numbered; with `colorbar` a colour bar of that name stands on the right."""
-    left, right, top, bottom = 0.55, 1.1, 0.85, 0.15  # inches
+    left, right, top, bottom = 0.55, 1.1, 0.85 if labels else 0.45, 0.15  # inches
     height = inches * image.shape[0] / image.shape[1]
     width_in, height_in = inches + left + right, height + top + bottom
     fig = Figure(figsize=(width_in, height_in), dpi=DPI)
@@ -351,7 +351,6 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
     and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.eval()
     images, n = samples.images, samples.images.shape[0]
     rollouts = [vi.attention_rollout(model, image) for image in images]
     occlusions = [vi.occlusion_sensitivity(model, image) for image in images]
@@ -359,41 +358,38 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
     distance = vi.mean_attention_distance(model, images)
     uniform = float(vi.patch_distances(model.config.grid_size, model.config.patch_stride).mean())
     filters = vi.embedding_filters(model)
-    query = rollouts[0].query
+
+    def figure(name: str, heading: str, fig: Figure, caption: str) -> str:
+        data = png_bytes(fig)
+        (out / f"{name}.png").write_bytes(data)
+        return _figure_html(name, data, heading, caption)
 
     parts = [_config_html(model)]
     if samples.boxes is not None:
         rollout_loc = vi.localisation(torch.stack([r.upsampled for r in rollouts]), samples.boxes)
         occlusion_loc = vi.localisation(torch.stack([o.drop for o in occlusions]), samples.boxes)
         parts.append(_localisation_html(rollout_loc, occlusion_loc, n))
-    figures = [
-        (
-            "saliency",
-            "Where the model looks, and what it uses",
-            plot_saliency(samples, rollouts, occlusions, model.class_names),
-        ),
-        ("attention_maps", "Attention maps per layer and head", plot_attention_maps(maps, images[0])),
-        ("attention_distance", "Mean attention distance", plot_attention_distance(distance, uniform)),
-    ]
+    query = html.escape(rollouts[0].query)
+    fig = plot_saliency(samples, rollouts, occlusions, model.class_names)
+    parts.append(
+        figure("saliency", "Where the model looks, and what it uses", fig, CAPTIONS["saliency"].format(query=query))
+    )
+    fig = plot_attention_maps(maps, images[0])
+    caption = CAPTIONS["attention_maps"].format(query=query)
+    parts.append(figure("attention_maps", "Attention maps per layer and head", fig, caption))
+    fig = plot_attention_distance(distance, uniform)
+    caption = CAPTIONS["attention_distance"].format(n=n)
+    parts.append(figure("attention_distance", "Mean attention distance", fig, caption))
     try:
-        figures.append(
-            ("posemb_similarity", "Position embedding similarity", plot_posemb_similarity(vi.posemb_similarity(model)))
-        )
+        similarity = vi.posemb_similarity(model)
     except ValueError as e:
-        parts_note = _note_html("posemb_similarity", "Position embedding similarity", str(e))
+        parts.append(_note_html("posemb_similarity", "Position embedding similarity", str(e)))
     else:
-        parts_note = ""
-    for name, heading, fig in figures:
-        data = png_bytes(fig)
-        (out / f"{name}.png").write_bytes(data)
-        caption = CAPTIONS[name].format(query=html.escape(query), n=n)
-        parts.append(_figure_html(name, data, heading, caption))
-    parts.append(parts_note)
+        fig = plot_posemb_similarity(similarity)
+        parts.append(figure("posemb_similarity", "Position embedding similarity", fig, CAPTIONS["posemb_similarity"]))
     if filters.image_like:
-        data = png_bytes(plot_embedding_filters(filters))
-        (out / "embedding_filters.png").write_bytes(data)
         caption = CAPTIONS["embedding_filters"].format(note=html.escape(filters.note))
-        parts.append(_figure_html("embedding_filters", data, "Patch-embedding filters", caption))
+        parts.append(figure("embedding_filters", "Patch-embedding filters", plot_embedding_filters(filters), caption))
     else:
         parts.append(_note_html("embedding_filters", "Patch-embedding filters", filters.note))
 
