@@ -13,8 +13,9 @@ import vitkit
 from shapes_vit import trained_shapes_vit
 from vitkit import inspect as vi
 from vitkit.cli import main
+from vitkit.data import ShapesDataset
 from vitkit.model import VisionTransformer
-from vitkit.report import Samples, load_images, write_report
+from vitkit.report import Samples, dataset_samples, load_images, write_report
 
 
 class ImageSources(HTMLParser):
@@ -114,3 +115,12 @@ def test_report_captions_name_the_query_the_maps_come_from(tmp_path, classifier)
     html = write_report(tiny(classifier=classifier), Samples(torch.zeros(1, 3, 32, 32), ["grey"]), tmp_path).read_text()
     assert (html_escape(vi.GAP_QUERY) in html) == (classifier == "gap")
     assert "attention carries information from the patches to the class token" in html or classifier == "gap"
+
+
+def test_dataset_samples_scale_object_boxes_to_a_non_square_model():
+    samples = dataset_samples("shapes", 3, tiny(image_size=(32, 64)))
+    rendered = ShapesDataset(size=3, image_size=32, split="test")
+    assert samples.images.shape == (3, 3, 32, 64)
+    assert samples.boxes == [(2 * x0, y0, 2 * x1, y1) for x0, y0, x1, y1 in map(rendered.box, range(3))]
+    assert samples.labels == [rendered[i][1] for i in range(3)]
+    assert samples.titles[0] == f"#0: {ShapesDataset.classes[samples.labels[0]]}"
