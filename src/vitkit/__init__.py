@@ -1,5 +1,6 @@
 """vitkit: the Vision Transformer of Dosovitskiy et al. (ICLR 2021) in PyTorch."""
 
+from . import inspect
 from .checkpoints import export, load, load_checkpoint, save
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
@@ -22,6 +23,7 @@ __all__ = [
     "decode_variant",
     "export",
     "flops",
+    "inspect",
     "list_models",
     "load",
     "load_checkpoint",

@@ -35,6 +35,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
+    from .checkpoints import load_checkpoint
+    from .report import dataset_samples, load_images, write_report
+
+    model = load_checkpoint(args.checkpoint)
+    if args.image:
+        samples = load_images(args.image, model)
+    else:
+        samples = dataset_samples(args.data, args.samples, model, split=args.split)
+    path = write_report(model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}")
+    print(f"wrote {path} ({samples.images.shape[0]} image(s))")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -50,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
     p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
+    p.add_argument("--checkpoint", required=True, help="model file (any format vitkit.load_checkpoint reads)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
+    source.add_argument("--data", default="shapes", help="dataset to take images from (default shapes)")
+    p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
+    p.add_argument("--split", default="test", help="split of --data (default test)")
+    p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
+    p.set_defaults(func=cmd_inspect)
     return parser
 
 

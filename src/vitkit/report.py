@@ -1,0 +1,406 @@
+"""The inspection report: the figures of `vitkit.inspect` drawn with matplotlib (no display needed) and gathered
+into one self-contained `report.html`, every image embedded as a data URI, each with a caption that says what
+it shows and what it does not.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from dataclasses import dataclass
+from inspect import signature
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from PIL import Image
+
+from . import inspect as vi
+from .data import DATASETS, get_dataset, to_input
+from .model import VisionTransformer
+
+DPI = 100
+PER_ROW = 6  # images per row of the saliency figure
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Model input `images` (B, C, H, W) in [-1, 1], with a `title` per image and, when known, the true `labels`
+    and the object `boxes` (x0, y0, x1, y1) in model pixels."""
+
+    images: torch.Tensor
+    titles: list[str]
+    labels: list[int] | None = None
+    boxes: list[tuple[int, int, int, int]] | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs: image files or a dataset's test split, at the model's resolution.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_images(paths: list[str | os.PathLike], model: VisionTransformer) -> Samples:
+    """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
+    (aspect ratio not kept), normalised with `to_input`."""
+    mode = "L" if model.config.in_chans == 1 else "RGB"
+    images = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such image file.")
+        try:
+            with Image.open(path) as im:
+                array = np.asarray(im.convert(mode), dtype=np.uint8)
+        except OSError as e:
+            raise ValueError(f"{path}: not an image PIL can read ({e}). Use a PNG or JPEG file.") from e
+        array = array[..., None] if array.ndim == 2 else array
+        uint8 = torch.from_numpy(array.copy()).permute(2, 0, 1)  # (C, h, w)
+        images.append(to_input(uint8, model.config.image_size, model.config.in_chans))
+    return Samples(torch.cat(images), [Path(p).name for p in paths])
+
+
+def dataset_samples(name: str, count: int, model: VisionTransformer, split: str = "test") -> Samples:
+    """The first `count` samples of a dataset's split, at the model's resolution, with labels and (where the
+    dataset knows them, as `shapes` does) object boxes scaled to the model's pixels.
+
+    A dataset that can render at any resolution (`shapes`) is rendered at the model's; others are resized.
+    """
+    if count < 1:
+        raise ValueError(f"--samples {count}: ask for at least one image.")
+    kwargs = {}
+    if name in DATASETS and "image_size" in signature(DATASETS[name]).parameters:
+        kwargs["image_size"] = model.config.image_size[0]
+    dataset = get_dataset(name, split, **kwargs)
+    count = min(count, len(dataset))
+    raw = [dataset[i] for i in range(count)]
+    images = torch.cat([to_input(img, model.config.image_size, model.config.in_chans) for img, _ in raw])
+    labels = [int(label) for _, label in raw]
+    classes = getattr(dataset, "classes", None)
+    titles = [f"#{i}: {classes[y] if classes else y}" for i, y in enumerate(labels)]
+    boxes = None
+    if hasattr(dataset, "box"):
+        (h, w), (sh, sw) = model.config.image_size, raw[0][0].shape[-2:]
+        boxes = []
+        for i in range(count):
+            x0, y0, x1, y1 = dataset.box(i)
+            boxes.append((round(x0 * w / sw), round(y0 * h / sh), round(x1 * w / sw), round(y1 * h / sh)))
+    return Samples(images, titles, labels, boxes)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Figures.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _display(image: torch.Tensor) -> np.ndarray:
+    """Model input (C, H, W) in [-1, 1] -> (H, W, 3) or (H, W) in [0, 1] for imshow."""
+    x = ((image.detach().float().cpu() + 1) / 2).clamp(0, 1)
+    return x.permute(1, 2, 0).numpy() if x.shape[0] == 3 else x.mean(dim=0).numpy()
+
+
+def _off(ax) -> None:
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def mosaic(tiles: np.ndarray, columns: int, pad: int = 1, background: float = 1.0) -> np.ndarray:
+    """Tiles (n, h, w, c) laid out row by row, `columns` per row, `pad` pixels of `background` between them."""
+    n, h, w, c = tiles.shape
+    rows = -(-n // columns)
+    out = np.full((rows * (h + pad) - pad, columns * (w + pad) - pad, c), background, dtype=np.float32)
+    for i, tile in enumerate(tiles):
+        r, col = divmod(i, columns)
+        out[r * (h + pad) : r * (h + pad) + h, col * (w + pad) : col * (w + pad) + w] = tile
+    return out
+
+
+def _mosaic_figure(
+    image: np.ndarray,
+    title: str,
+    inches: float,
+    labels: tuple[str, str] | None = None,
+    tiles: tuple[int, int] = (1, 1),
+    colorbar: str | None = None,
+    **imshow,
+) -> Figure:
+    """A figure showing one mosaic `inches` wide; with `labels` (rows, columns) the (rows, columns) `tiles` are
+    numbered; with `colorbar` a colour bar of that name stands on the right."""
+    left, right, top, bottom = 0.55, 1.1, 0.85 if labels else 0.45, 0.15  # inches
+    height = inches * image.shape[0] / image.shape[1]
+    width_in, height_in = inches + left + right, height + top + bottom
+    fig = Figure(figsize=(width_in, height_in), dpi=DPI)
+    ax = fig.add_axes((left / width_in, bottom / height_in, inches / width_in, height / height_in))
+    shown = ax.imshow(image, interpolation="nearest", **imshow)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if colorbar:
+        bar = fig.add_axes(((inches + left + 0.15) / width_in, bottom / height_in, 0.18 / width_in, height / height_in))
+        fig.colorbar(shown, cax=bar, label=colorbar)
+    if labels is not None:
+        rows, columns = tiles
+        ax.set_yticks((np.arange(rows) + 0.5) * image.shape[0] / rows, [str(i + 1) for i in range(rows)], fontsize=7)
+        ax.set_xticks(
+            (np.arange(columns) + 0.5) * image.shape[1] / columns, [str(i + 1) for i in range(columns)], fontsize=7
+        )
+        ax.tick_params(length=0, labeltop=True, labelbottom=False)
+        ax.set_ylabel(labels[0], fontsize=8)
+        ax.set_title(labels[1], fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_embedding_filters(filters: vi.EmbeddingFilters, columns: int = 7) -> Figure:
+    """The principal components as small image patches, strongest first, each rescaled to [0, 1]."""
+    c = filters.components
+    lo, hi = c.amin(dim=(1, 2, 3), keepdim=True), c.amax(dim=(1, 2, 3), keepdim=True)
+    tiles = ((c - lo) / (hi - lo).clamp(min=1e-12)).permute(0, 2, 3, 1).numpy()  # (k, ph, pw, C)
+    if tiles.shape[-1] != 3:
+        tiles = tiles.mean(axis=-1, keepdims=True).repeat(3, axis=-1)
+    pad = max(tiles.shape[1] // 8, 1)
+    return _mosaic_figure(mosaic(tiles, min(columns, len(tiles)), pad), "Embedding filters (principal components)", 5)
+
+
+def plot_posemb_similarity(similarity: torch.Tensor) -> Figure:
+    """One small map per patch (at the patch's place): its posemb's cosine similarity with every patch's."""
+    gh, gw = similarity.shape[:2]
+    tiles = similarity.reshape(gh * gw, gh, gw, 1).numpy()
+    image = mosaic(tiles, gw, pad=max(gh // 8, 1), background=np.nan)[..., 0]
+    labels = ("input patch row", "input patch column")
+    title = "Position embedding similarity"
+    return _mosaic_figure(image, title, 5, labels, (gh, gw), "cosine similarity", cmap="viridis", vmin=-1, vmax=1)
+
+
+def plot_attention_distance(distance: torch.Tensor, uniform: float) -> Figure:
+    """Mean attention distance of each head (dots) against depth, with uniform attention as a reference."""
+    layers, heads = distance.shape
+    fig = Figure(figsize=(5.5, 3.6), dpi=DPI)
+    ax = fig.add_subplot()
+    for h in range(heads):
+        ax.scatter(
+            np.arange(1, layers + 1), distance[:, h].numpy(), s=14, label=f"head {h + 1}" if heads <= 8 else None
+        )
+    ax.axhline(uniform, color="grey", linestyle="--", linewidth=1, label="uniform attention")
+    ax.set_xlabel("network depth (layer)")
+    ax.set_ylabel("mean attention distance (pixels)")
+    ax.set_xticks(np.arange(1, layers + 1))
+    ax.set_ylim(0, 1.15 * max(float(distance.max()), uniform))
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.set_title("Mean attention distance per head", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _overlay(image: np.ndarray, heat: np.ndarray, cmap: str = "inferno", alpha: float = 0.6) -> np.ndarray:
+    """Blend a (gh, gw) heat map, scaled to its own maximum and enlarged by pixel repetition, over an image."""
+    h, w = image.shape[:2]
+    heat = heat / max(float(heat.max()), 1e-12)
+    heat = heat.repeat(h // heat.shape[0], axis=0).repeat(w // heat.shape[1], axis=1)
+    rgb = image if image.ndim == 3 else image[..., None].repeat(3, axis=-1)
+    return (1 - alpha) * rgb + alpha * colormaps[cmap](heat)[..., :3]
+
+
+def plot_attention_maps(maps: vi.AttentionMaps, image: torch.Tensor) -> Figure:
+    """Rows are layers, columns heads: each head's attention to the patches over the image, each map scaled to
+    its own maximum."""
+    layers, heads = maps.maps.shape[:2]
+    shown = _display(image)
+    tiles = np.stack([_overlay(shown, m.numpy()) for m in maps.maps.reshape(layers * heads, *maps.maps.shape[2:])])
+    pad = max(shown.shape[0] // 16, 1)
+    title = "Attention of each head at each layer"
+    return _mosaic_figure(mosaic(tiles, heads, pad), title, min(1.1 * heads, 9), ("layer", "head"), (layers, heads))
+
+
+def plot_saliency(
+    samples: Samples, rollouts: list[vi.Rollout], occlusions: list[vi.Occlusion], class_names: list[str] | None
+) -> Figure:
+    """For each image: the input, its attention rollout and its occlusion map; object boxes in green."""
+    n = samples.images.shape[0]
+    blocks, per_row = -(-n // PER_ROW), min(n, PER_ROW)
+    fig = Figure(figsize=(1.9 * per_row + 0.9, 6.4 * blocks), dpi=DPI)
+    kinds = ("input", "rollout", "occlusion")
+    for i in range(n):
+        block, column = divmod(i, PER_ROW)
+        shown = _display(samples.images[i])
+        h, w = shown.shape[:2]
+        occ = occlusions[i]
+        predicted = class_names[occ.target] if class_names else str(occ.target)
+        panels = (None, rollouts[i].upsampled, occ.drop)
+        for r, (kind, saliency) in enumerate(zip(kinds, panels)):
+            ax = fig.add_subplot(3 * blocks, per_row, (3 * block + r) * per_row + column + 1)
+            ax.imshow(shown, cmap="gray", extent=(0, w, h, 0))
+            if saliency is not None:
+                limit = float(saliency.abs().max()) or 1.0
+                cmap, lo = ("inferno", 0.0) if kind == "rollout" else ("RdBu_r", -limit)
+                ax.imshow(saliency.numpy(), cmap=cmap, vmin=lo, vmax=limit, alpha=0.6, extent=(0, w, h, 0))
+            if samples.boxes is not None:
+                x0, y0, x1, y1 = samples.boxes[i]
+                ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, edgecolor="lime", linewidth=1.2))
+            _off(ax)
+            if r == 0:
+                ax.set_title(f"{samples.titles[i]}\npred {predicted} ({occ.probability:.0%})", fontsize=8)
+            if column == 0:
+                ax.set_ylabel(kind, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def png_bytes(fig: Figure) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The HTML report.
+# ----------------------------------------------------------------------------------------------------------
+
+CAPTIONS = {
+    "saliency": (
+        "Per image: the input, the <b>attention rollout</b> (paper Figs. 6 and 14: heads averaged, the residual "
+        "added as 0.5&middot;A + 0.5&middot;I, the layers multiplied; Abnar &amp; Zuidema 2020) and the "
+        "<b>occlusion map</b>. Rollout shows how attention carries information from the patches to "
+        "{query}; it has one value per patch, upsampled, and it is <i>not</i> an attribution: a region can "
+        "receive attention and not matter for the prediction. The occlusion map is an attribution: red where "
+        "hiding a window (the image's mean colour over a patch-sized square) lowers the predicted class's "
+        "probability, blue where it raises it. "
+        "Green boxes are the known object boxes."
+    ),
+    "attention_maps": (
+        "Attention from {query} to every patch, for each layer (rows) and head (columns), on the first image. "
+        "Single heads are noisy and several attend to the same few tokens; rollout combines them."
+    ),
+    "attention_distance": (
+        "Mean attention distance (paper Fig. 7 right): for each head (dots) at each layer, the "
+        "attention-weighted distance in pixels between query and key patches, averaged over the {n} images; the "
+        "analogue of a CNN's receptive field size. In the paper some heads attend globally already in the "
+        "lowest layers while others stay local; the distance grows with depth. Dashed: uniform attention. "
+        "Attention to and from the class token is left out (it has no place in the image)."
+    ),
+    "posemb_similarity": (
+        "Position embedding similarity (paper Fig. 7 centre): the tile at row i, column j shows the cosine "
+        "similarity of that patch's position embedding with every patch's. A learned 1D embedding that has "
+        "found the 2D layout shows a bright spot at the patch's own place and row and column structure; "
+        "'sincos2d' has it by construction. Untrained or briefly trained embeddings look like noise."
+    ),
+    "embedding_filters": (
+        "Principal components of the patch-embedding filters E (paper Fig. 7 left), strongest first, each "
+        "rescaled to the full colour range ({note}). The sign of a component is arbitrary. Trained on enough "
+        "data they resemble plausible basis functions for a low-dimensional representation of a patch."
+    ),
+}
+
+
+def _figure_html(name: str, data: bytes, heading: str, caption: str) -> str:
+    uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+    return (
+        f'<section id="{name}"><h2>{html.escape(heading)}</h2>'
+        f'<figure><img src="{uri}" alt="{html.escape(heading)}"><figcaption>{caption}</figcaption></figure>'
+        "</section>"
+    )
+
+
+def _note_html(name: str, heading: str, text: str) -> str:
+    return f'<section id="{name}"><h2>{html.escape(heading)}</h2><p class="note">{html.escape(text)}</p></section>'
+
+
+def _config_html(model: VisionTransformer, per_row: int = 4) -> str:
+    cells = [f"<th>{html.escape(k)}</th><td>{html.escape(str(v))}</td>" for k, v in model.config.to_dict().items()]
+    rows = "".join(f"<tr>{''.join(cells[i : i + per_row])}</tr>" for i in range(0, len(cells), per_row))
+    params = sum(p.numel() for p in model.parameters())
+    classes = ", ".join(model.class_names) if model.class_names else "not recorded in the checkpoint"
+    return (
+        f'<section id="model"><h2>Model</h2><p><b>{params:,}</b> parameters; {model.config.grid_size[0]}x'
+        f"{model.config.grid_size[1]} patches of {model.config.patch_stride[0]} px; classes: "
+        f"{html.escape(classes)}.</p><table>{rows}</table></section>"
+    )
+
+
+def _localisation_html(rollout: vi.Localisation, occlusion: vi.Localisation, n: int) -> str:
+    def row(name: str, loc: vi.Localisation) -> str:
+        cells = "".join(f"<td>{v:.0%}</td>" for v in (loc.hit_rate, loc.mass_inside, loc.chance))
+        return f"<tr><th>{name}</th>{cells}</tr>"
+
+    return (
+        '<section id="localisation"><h2>Do the maps find the object?</h2>'
+        "<table><tr><th></th><th>peak inside the box</th><th>positive mass inside</th><th>chance (box area)</th>"
+        f"</tr>{row('attention rollout', rollout)}{row('occlusion', occlusion)}</table>"
+        f"<p class='note'>Over the {n} images with a known object box. A map that ignored the object would score "
+        "the box's share of the image in both columns.</p></section>"
+    )
+
+
+STYLE = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; max-width: 1100px; margin: 2em auto;
+       padding: 0 1em; color: #222; line-height: 1.45; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ddd; }
+figure { margin: 0.5em 0 1.5em; } img { max-width: 100%; height: auto; display: block; }
+figcaption, .note { font-size: 0.9em; color: #444; max-width: 80ch; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; } th { background: #f6f6f6; }
+"""
+
+
+def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.PathLike, title: str = "") -> Path:
+    """Compute every figure of `vitkit.inspect` for `model` on `samples`, write each as a PNG into `out_dir`
+    and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    images, n = samples.images, samples.images.shape[0]
+    rollouts = [vi.attention_rollout(model, image) for image in images]
+    occlusions = [vi.occlusion_sensitivity(model, image) for image in images]
+    maps = vi.attention_maps(model, images[0])
+    distance = vi.mean_attention_distance(model, images)
+    uniform = float(vi.patch_distances(model.config.grid_size, model.config.patch_stride).mean())
+    filters = vi.embedding_filters(model)
+
+    def figure(name: str, heading: str, fig: Figure, caption: str) -> str:
+        data = png_bytes(fig)
+        (out / f"{name}.png").write_bytes(data)
+        return _figure_html(name, data, heading, caption)
+
+    parts = [_config_html(model)]
+    if samples.boxes is not None:
+        rollout_loc = vi.localisation(torch.stack([r.upsampled for r in rollouts]), samples.boxes)
+        occlusion_loc = vi.localisation(torch.stack([o.drop for o in occlusions]), samples.boxes)
+        parts.append(_localisation_html(rollout_loc, occlusion_loc, n))
+    query = html.escape(rollouts[0].query)
+    fig = plot_saliency(samples, rollouts, occlusions, model.class_names)
+    parts.append(
+        figure("saliency", "Where the model looks, and what it uses", fig, CAPTIONS["saliency"].format(query=query))
+    )
+    fig = plot_attention_maps(maps, images[0])
+    caption = CAPTIONS["attention_maps"].format(query=query)
+    parts.append(figure("attention_maps", "Attention maps per layer and head", fig, caption))
+    fig = plot_attention_distance(distance, uniform)
+    caption = CAPTIONS["attention_distance"].format(n=n)
+    parts.append(figure("attention_distance", "Mean attention distance", fig, caption))
+    try:
+        similarity = vi.posemb_similarity(model)
+    except ValueError as e:
+        parts.append(_note_html("posemb_similarity", "Position embedding similarity", str(e)))
+    else:
+        fig = plot_posemb_similarity(similarity)
+        parts.append(figure("posemb_similarity", "Position embedding similarity", fig, CAPTIONS["posemb_similarity"]))
+    if filters.image_like:
+        caption = CAPTIONS["embedding_filters"].format(note=html.escape(filters.note))
+        parts.append(figure("embedding_filters", "Patch-embedding filters", plot_embedding_filters(filters), caption))
+    else:
+        parts.append(_note_html("embedding_filters", "Patch-embedding filters", filters.note))
+
+    heading = html.escape(title or "vitkit inspect")
+    page = (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{heading}</title>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
+        f"<body><h1>{heading}</h1><p class='note'>The paper's analysis figures (Dosovitskiy et al., ICLR 2021, "
+        f"Figs. 6, 7, 14) for this model on {n} image(s), made by <code>vitkit inspect</code>. Images: "
+        f"{html.escape(', '.join(samples.titles))}.</p>" + "".join(parts) + "</body></html>"
+    )
+    path = out / "report.html"
+    path.write_text(page, encoding="utf-8")
+    return path

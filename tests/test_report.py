@@ -1,0 +1,126 @@
+import base64
+import io
+import re
+from html import escape as html_escape
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vitkit
+from shapes_vit import trained_shapes_vit
+from vitkit import inspect as vi
+from vitkit.cli import main
+from vitkit.data import ShapesDataset
+from vitkit.model import VisionTransformer
+from vitkit.report import Samples, dataset_samples, load_images, write_report
+
+
+class ImageSources(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.sources: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.sources.append(dict(attrs).get("src", ""))
+
+
+def embedded_pngs(html: str) -> list[Image.Image]:
+    """Every <img> of the page, decoded; fails if one is not an embedded, non-trivial PNG."""
+    parser = ImageSources()
+    parser.feed(html)
+    assert parser.sources, "the report has no images"
+    images = []
+    for src in parser.sources:
+        assert src.startswith("data:image/png;base64,"), f"image not embedded: {src[:60]!r}"
+        data = base64.b64decode(src.split(",", 1)[1], validate=True)
+        image = Image.open(io.BytesIO(data))
+        assert image.format == "PNG"
+        pixels = np.asarray(image.convert("RGB"))
+        assert min(pixels.shape[:2]) >= 100
+        assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50, "a blank or near-blank figure"
+        images.append(image)
+    return images
+
+
+def tiny(**kwargs) -> VisionTransformer:
+    spec = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, num_classes=3)
+    spec.update(kwargs)
+    return VisionTransformer(vitkit.ViTConfig(**spec)).eval()
+
+
+def test_inspect_cli_on_a_trained_model_writes_a_self_contained_report(tmp_path, capsys):
+    checkpoint = tmp_path / "shapes.safetensors"
+    vitkit.save(trained_shapes_vit(), checkpoint)
+    out = tmp_path / "report"
+    assert (
+        main(["inspect", "--checkpoint", str(checkpoint), "--data", "shapes", "--samples", "6", "--out", str(out)]) == 0
+    )
+    assert "report.html" in capsys.readouterr().out
+    html = (out / "report.html").read_text()
+    pngs = embedded_pngs(html)
+    figures = {"saliency", "attention_maps", "attention_distance", "posemb_similarity", "embedding_filters"}
+    assert {p.stem for p in out.glob("*.png")} == figures
+    assert len(pngs) == len(figures)
+    assert not re.search(r"""(src|href)=["']?(https?:|file:|/)""", html), "the report links outside itself"
+    params = sum(p.numel() for p in trained_shapes_vit().parameters())
+    assert f"{params:,}" in html and "hidden_size" in html
+    assert "not</i> an attribution" in html and "peak inside the box" in html
+
+
+def test_inspect_cli_reads_image_files_of_any_size_and_mode(tmp_path):
+    checkpoint = tmp_path / "tiny.safetensors"
+    vitkit.save(tiny(), checkpoint)
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    Image.fromarray(rng.integers(0, 255, (20, 20), dtype=np.uint8), mode="L").save(tmp_path / "b.jpg")
+    out = tmp_path / "report"
+    args = ["inspect", "--checkpoint", str(checkpoint), "--image", str(tmp_path / "a.png"), str(tmp_path / "b.jpg")]
+    assert main([*args, "--out", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    assert "a.png" in html and "b.jpg" in html and "peak inside the box" not in html
+    embedded_pngs(html)
+
+
+def test_load_images_gives_model_input_at_the_model_resolution(tmp_path):
+    Image.fromarray(np.full((40, 60), 255, dtype=np.uint8), mode="L").save(tmp_path / "white.png")
+    samples = load_images([tmp_path / "white.png"], tiny())
+    assert samples.images.shape == (1, 3, 32, 32)
+    torch.testing.assert_close(samples.images, torch.ones(1, 3, 32, 32))
+
+
+def test_inspect_cli_names_a_missing_image_file(tmp_path, capsys):
+    checkpoint = tmp_path / "tiny.safetensors"
+    vitkit.save(tiny(), checkpoint)
+    code = main(["inspect", "--checkpoint", str(checkpoint), "--image", "nope.png", "--out", str(tmp_path)])
+    assert code == 2 and "nope.png: no such image file" in capsys.readouterr().err
+
+
+def test_report_explains_figures_a_model_cannot_have(tmp_path):
+    stem = vitkit.ResNetConfig(num_layers=(1, 1))  # stride 8
+    spec = dict(image_size=32, patch_size=2, num_classes=2, hidden_size=32, num_heads=2, mlp_dim=32, num_layers=1)
+    hybrid = VisionTransformer(vitkit.ViTConfig(hybrid=stem, posemb="relative", **spec))
+    samples = Samples(torch.rand(1, 3, 32, 32) * 2 - 1, ["noise"])
+    html = write_report(hybrid.eval(), samples, tmp_path).read_text()
+    assert "not image patches" in html and "posemb=&#x27;relative&#x27; adds no per-patch embedding" in html
+    assert not (tmp_path / "embedding_filters.png").exists() and not (tmp_path / "posemb_similarity.png").exists()
+    assert len(embedded_pngs(html)) == 3
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_report_captions_name_the_query_the_maps_come_from(tmp_path, classifier):
+    html = write_report(tiny(classifier=classifier), Samples(torch.zeros(1, 3, 32, 32), ["grey"]), tmp_path).read_text()
+    assert (html_escape(vi.GAP_QUERY) in html) == (classifier == "gap")
+    assert "attention carries information from the patches to the class token" in html or classifier == "gap"
+
+
+def test_dataset_samples_scale_object_boxes_to_a_non_square_model():
+    samples = dataset_samples("shapes", 3, tiny(image_size=(32, 64)))
+    rendered = ShapesDataset(size=3, image_size=32, split="test")
+    assert samples.images.shape == (3, 3, 32, 64)
+    assert samples.boxes == [(2 * x0, y0, 2 * x1, y1) for x0, y0, x1, y1 in map(rendered.box, range(3))]
+    assert samples.labels == [rendered[i][1] for i in range(3)]
+    assert samples.titles[0] == f"#0: {ShapesDataset.classes[samples.labels[0]]}"
