@@ -37,7 +37,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
-    from .checkpoints import load_checkpoint
     from .report import dataset_samples, load_images, write_report
 
     model = load_checkpoint(args.checkpoint)
