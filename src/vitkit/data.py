@@ -224,7 +224,7 @@ def load_idx_split(
 class FashionMNIST(ImageArrayDataset):
     """Zalando's Fashion-MNIST: 60,000 + 10,000 grayscale 28x28 images of 10 kinds of clothing."""
 
-    crop_scale, flip = (0.8, 1.0), True  # a light crop: the official 5% is far too strong at 28 px
+    crop_scale, flip = (1.0, 1.0), True  # flip only: at 28 px any crop costs accuracy in a short schedule
 
     def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None):
         help_text = (
@@ -238,7 +238,7 @@ class FashionMNIST(ImageArrayDataset):
 class MNIST(ImageArrayDataset):
     """LeCun's MNIST digits from the user's four IDX files. Digits are not flipped."""
 
-    crop_scale, flip = (0.6, 1.0), False
+    crop_scale, flip = (1.0, 1.0), False
 
     def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None):
         help_text = "Download the four *-ubyte.gz files of MNIST (e.g. from https://yann.lecun.com/exdb/mnist/)."
@@ -252,7 +252,7 @@ class MNIST5k(ImageArrayDataset):
     A fixed permutation (seed 0) puts 4,000 in `train` and 1,000 in `test`.
     """
 
-    crop_scale, flip = (0.6, 1.0), False
+    crop_scale, flip = (1.0, 1.0), False
 
     def __init__(self, split: str = "train"):
         _check_split(split)

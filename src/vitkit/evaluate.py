@@ -60,7 +60,10 @@ def batches(dataset: Dataset, index_batches: list[list[int]], workers: int = 0):
             index = torch.as_tensor(idx, dtype=torch.long)
             yield dataset.images[index], dataset.labels[index]
         return
-    loader = DataLoader(dataset, batch_sampler=index_batches, num_workers=workers, collate_fn=_collate)
+    # Its own generator: creating the loader then draws no number from the global RNG (exact resumption).
+    loader = DataLoader(
+        dataset, batch_sampler=index_batches, num_workers=workers, collate_fn=_collate, generator=torch.Generator()
+    )
     yield from loader
 
 

@@ -67,13 +67,13 @@ class TrainConfig:
     train: str = "full"  # which parameters learn: full | head (linear probe) | attention | mlp
     # optimisation
     optimizer: str = "adamw"
-    lr: float = 1e-3
+    lr: float = 2e-3
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)
     momentum: float = 0.9
-    batch_size: int = 256  # global: split over processes and accumulation steps
+    batch_size: int = 128  # global: split over processes and accumulation steps
     accumulation_steps: int = 1
-    epochs: float = 12.0
+    epochs: float = 4.0
     steps: int | None = None  # total optimiser steps; overrides epochs
     warmup_fraction: float = 0.05
     schedule: str = "cosine"
