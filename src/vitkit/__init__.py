@@ -3,7 +3,10 @@
 from .checkpoints import load, load_checkpoint, save
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
+from .evaluate import evaluate, predict
 from .model import VisionTransformer
+from .recipes import TrainConfig
+from .train import train
 
 __version__ = "0.1.0"
 
@@ -15,14 +18,18 @@ def create_model(name: str, **overrides) -> VisionTransformer:
 
 __all__ = [
     "ResNetConfig",
+    "TrainConfig",
     "ViTConfig",
     "VisionTransformer",
     "count_params",
     "create_model",
     "decode_variant",
+    "evaluate",
     "flops",
     "list_models",
     "load",
     "load_checkpoint",
+    "predict",
     "save",
+    "train",
 ]
