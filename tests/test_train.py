@@ -55,7 +55,7 @@ def test_interrupted_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tm
     assert stopped.interrupted and stopped.step == 4 and not (tmp_path / "split" / "model.safetensors").exists()
     state = read_checkpoint(tmp_path / "split")
     assert state["step"] == 4 and state["epoch"] == 0 and state["batch_in_epoch"] == 4 and len(state["rng"]) == 1
-    resumed = train(TrainConfig(), resume=tmp_path / "split")
+    resumed = train(resume=tmp_path / "split")
     assert resumed.step == 10 and not resumed.interrupted
     assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "split"))
     steps = [r["step"] for r in read_metrics(tmp_path / "split") if r["split"] == "train"]
@@ -78,7 +78,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
     assert stopped.interrupted and 1 <= stopped.step < 20
     assert read_checkpoint(tmp_path / "run")["step"] == stopped.step
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
-    train(TrainConfig(), resume=tmp_path / "run")
+    train(resume=tmp_path / "run")
     train(shapes_config(tmp_path / "whole", steps=20))
     assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "run"))
 

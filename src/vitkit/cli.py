@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import train
 
     if args.resume:
-        result = train(TrainConfig(), resume=args.resume)
+        result = train(resume=args.resume)
     else:
         result = train(_train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {}))
     return 130 if result.interrupted else 0

@@ -125,11 +125,15 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def train(config: TrainConfig, *, resume: str | Path | None = None, stop_after: int | None = None) -> TrainResult:
-    """Run (or, with `resume` = a run directory, continue) a training run; returns how it ended.
-
-    `stop_after` stops after that many steps in all, as an interruption would: a checkpoint is saved.
-    """
+def train(
+    config: TrainConfig | None = None, *, resume: str | Path | None = None, stop_after: int | None = None
+) -> TrainResult:
+    """Run `config` (default: the main job), or continue the run saved in the directory `resume` with its own
+    config; returns how it ended. `stop_after` stops after that many steps in all, as an interruption would:
+    a checkpoint is saved."""
+    if config is not None and resume is not None:
+        raise ValueError(f"give a config or resume={str(resume)!r}, not both: a resumed run keeps its saved config.")
+    config = config or TrainConfig()
     saved = read_checkpoint(resume) if resume is not None else None
     if saved is not None:
         config = TrainConfig.from_dict(json.loads(saved["config"]))
