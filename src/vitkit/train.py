@@ -51,7 +51,8 @@ class TrainResult:
     interrupted: bool
     final: EvalResult | None
     best_top1: float
-    seconds: float
+    seconds: float  # in training steps, over all sessions of the run
+    wall_seconds: float  # this session, data loading and evaluation included
 
 
 def load_datasets(config: TrainConfig):
@@ -141,15 +142,18 @@ def train(
     else:
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
     world = init_world(config.device)
+    threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
     try:
         return _train(config, world, run_path, saved, stop_after)
     finally:
+        torch.set_num_threads(threads)
         close_world(world)
 
 
 def _train(config: TrainConfig, world: World, run_path: Path, saved: dict | None, stop_after: int | None):
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    started = time.perf_counter()
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
     if saved is not None:
@@ -336,7 +340,7 @@ def _train(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     if not interrupted and world.is_main:
         save(model, run_path / "model.safetensors")
         plot_run(run_path, final.confusion if final else None, model.class_names)
-    result = TrainResult(run_path, step, total, interrupted, final, best_top1, elapsed)
+    result = TrainResult(run_path, step, total, interrupted, final, best_top1, elapsed, time.perf_counter() - started)
     if world.is_main:
         run.write_json("summary.json", summary_dict(result, config, model))
         print(format_summary(result, config, model), flush=True)
@@ -353,6 +357,7 @@ def summary_dict(result: TrainResult, config: TrainConfig, model: VisionTransfor
         "total_steps": result.total_steps,
         "interrupted": result.interrupted,
         "train_seconds": result.seconds,
+        "wall_seconds": result.wall_seconds,
         "test_top1": result.final.top1 if result.final else None,
         "test_top5": result.final.top5 if result.final else None,
         "best_test_top1": result.best_top1,
@@ -371,7 +376,8 @@ def format_summary(result: TrainResult, config: TrainConfig, model: VisionTransf
         f"patch {c.patch_size[0]}, D={c.hidden_size}, L={c.num_layers}, {count_params(c):,} params",
         f"recipe     {config.optimizer} lr {config.lr:g}, wd {config.weight_decay:g}, batch {config.batch_size}, "
         f"{config.schedule}, warmup {config.warmup_fraction:g}, train={config.train}, {config.precision}",
-        f"steps      {result.step}/{result.total_steps} in {result.seconds / 60:.1f} min of training",
+        f"steps      {result.step}/{result.total_steps} in {result.seconds / 60:.1f} min of training, "
+        f"{result.wall_seconds / 60:.1f} min wall (data and evaluation included)",
     ]
     if result.interrupted:
         lines.append(f"stopped    checkpoint saved; continue with: vitkit train --resume {result.run_dir}")
