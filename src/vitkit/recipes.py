@@ -73,7 +73,7 @@ class TrainConfig:
     momentum: float = 0.9
     batch_size: int = 128  # global: split over processes and accumulation steps
     accumulation_steps: int = 1
-    epochs: float = 4.0
+    epochs: float = 6.0
     steps: int | None = None  # total optimiser steps; overrides epochs
     warmup_fraction: float = 0.05
     schedule: str = "cosine"
