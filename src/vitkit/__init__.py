@@ -4,7 +4,10 @@ from . import inspect
 from .checkpoints import export, load, load_checkpoint, save
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
+from .evaluate import evaluate, predict
 from .model import VisionTransformer
+from .recipes import TrainConfig
+from .train import train
 
 __version__ = "0.1.0"
 
@@ -16,16 +19,20 @@ def create_model(name: str, **overrides) -> VisionTransformer:
 
 __all__ = [
     "ResNetConfig",
+    "TrainConfig",
     "ViTConfig",
     "VisionTransformer",
     "count_params",
     "create_model",
     "decode_variant",
     "export",
+    "evaluate",
     "flops",
     "inspect",
     "list_models",
     "load",
     "load_checkpoint",
+    "predict",
     "save",
+    "train",
 ]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
+from .recipes import FINETUNE_DEFAULTS, TrainConfig, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -49,6 +51,99 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
+    """Defaults (or a preset) < the --config file < the options given on the command line."""
+    values = dict(preset)
+    if args.config:
+        values.update(TrainConfig.from_file(args.config).to_dict())
+    fields = field_types()
+    values.update({name: getattr(args, name) for name in fields if hasattr(args, name)})
+    return TrainConfig.from_dict(values)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train (or with --resume continue) a run; exit status 130 when interrupted after saving a checkpoint."""
+    from .train import train
+
+    if args.resume:
+        result = train(resume=args.resume)
+    else:
+        result = train(_train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {}))
+    return 130 if result.interrupted else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split."""
+    from .data import get_dataset
+    from .evaluate import evaluate, format_eval
+
+    model = load_checkpoint(args.checkpoint)
+    kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
+    dataset = get_dataset(args.data, args.split, **kwargs)
+    if len(dataset.classes) != model.config.num_classes:
+        raise ValueError(
+            f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
+            "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
+        )
+    result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision)
+    print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
+    print(format_eval(result, model.class_names or dataset.classes))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Top-k classes with their probabilities for each image file."""
+    from .evaluate import predict
+
+    model = load_checkpoint(args.checkpoint)
+    for path, top in zip(args.images, predict(model, args.images, args.top_k)):
+        print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
+    return 0
+
+
+def _add_train_options(p: argparse.ArgumentParser) -> None:
+    """One --option per TrainConfig field (dashes for underscores); unset options keep the config's value."""
+    p.add_argument("--config", help="YAML or JSON file of TrainConfig fields (options given here override it)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR exactly")
+    defaults = TrainConfig()
+    for name, kind in field_types().items():
+        flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+        text = f"(default {default!r})"
+        if kind in (dict, dict | None):
+            p.add_argument(flag, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
+                           help=f"{text}")  # fmt: skip
+        elif kind in (bool, bool | None):
+            p.add_argument(flag, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
+        elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
+            item = int if kind == tuple[int, int] | None else float
+            p.add_argument(flag, dest=name, type=item, nargs=2, default=argparse.SUPPRESS, help=text)
+        else:
+            item = next(t for t in (int, float, str) if t == kind or kind == t | None)
+            p.add_argument(flag, dest=name, type=item, default=argparse.SUPPRESS, help=text)
+
+
+def _mapping(text: str) -> dict:
+    """'{"hidden_size": 64}' or 'hidden_size=64,num_layers=4' (values read as JSON where they parse)."""
+    if text.strip().startswith("{"):
+        return json.loads(text)
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{item!r}: write key=value pairs separated by commas, or JSON.")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use true or false.")
+    return text.lower() in ("true", "1", "yes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -74,6 +169,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", help="split of --data (default test)")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
+    _add_train_options(p)
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("finetune", help="fine-tune --checkpoint with the official recipe (SGD, new head)")
+    _add_train_options(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
+    p.add_argument("--checkpoint", required=True, help="model file (vitkit safetensors or any load_checkpoint format)")
+    p.add_argument("--data", default="fashion-mnist", help="dataset name (default fashion-mnist)")
+    p.add_argument("--data-dir", help="directory holding the dataset's files")
+    p.add_argument("--split", default="test", choices=("train", "test"))
+    p.add_argument("--batch-size", type=int, default=1000)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("predict", help="top-k classes of image files")
+    p.add_argument("--checkpoint", required=True, help="model file with class names (as `vitkit train` saves)")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.set_defaults(func=cmd_predict)
     return parser
 
 

