@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -144,6 +146,15 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(model(x), loaded(x))
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temporary left behind
+
+
+def test_saved_files_get_the_usual_permissions_not_private_ones(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        vitkit.save(tiny(), tmp_path / "m.safetensors")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 def test_hybrid_save_load_round_trip(tmp_path):
