@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torchvision.ops import roi_align
 
 from .data import to_input
 
@@ -78,6 +77,8 @@ def crop_boxes(
 def crop_and_resize(images: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """uint8 (B, C, H, W) and boxes (B, 4) -> uint8 (B, C, *size): each box resized bilinearly, averaging
     several samples per output pixel when shrinking (so it does not alias)."""
+    from torchvision.ops import roi_align  # imported here: torchvision adds seconds to every `vitkit` start
+
     rois = torch.cat([torch.arange(len(boxes))[:, None], boxes], dim=1).float()
     out = roi_align(images.float(), rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
     return out.round_().clamp_(0, 255).to(torch.uint8)
