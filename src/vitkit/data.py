@@ -197,11 +197,11 @@ def load_idx_split(
     name: str,
     split: str,
     data_dir: str | os.PathLike | None,
-    classes: list[str],
     help_text: str,
     system_dir: str | None,
-) -> ImageArrayDataset:
-    """The split of an MNIST-like IDX dataset, from the first directory that holds both of its files."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (N, 1, H, W) and labels (N,) of a split of an MNIST-like IDX dataset, from the first directory
+    that holds both of its files."""
     _check_split(split)
     image_stem, label_stem = IDX_FILES[split]
     searched = _candidate_dirs(data_dir, name, system_dir)
@@ -213,7 +213,7 @@ def load_idx_split(
                 raise ValueError(
                     f"{images}, {labels}: expected (N, H, W) images and N labels, got {x.shape}, {y.shape}."
                 )
-            return ImageArrayDataset(torch.from_numpy(x.copy())[:, None], torch.from_numpy(y.astype(np.int64)), classes)
+            return torch.from_numpy(x.copy())[:, None], torch.from_numpy(y.astype(np.int64))
     where = ", ".join(str(d) for d in searched) or "(nowhere: no directory given)"
     raise FileNotFoundError(
         f"{name}: {image_stem}.gz and {label_stem}.gz not found in {where}. {help_text} "
@@ -231,8 +231,8 @@ class FashionMNIST(ImageArrayDataset):
             "Install it with `sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu; `make data` does this) "
             "or download the four *-ubyte.gz files from https://github.com/zalandoresearch/fashion-mnist."
         )
-        ds = load_idx_split("fashion-mnist", split, data_dir, FASHION_CLASSES, help_text, FASHION_SYSTEM_DIR)
-        super().__init__(ds.images, ds.labels, ds.classes)
+        images, labels = load_idx_split("fashion-mnist", split, data_dir, help_text, FASHION_SYSTEM_DIR)
+        super().__init__(images, labels, FASHION_CLASSES)
 
 
 class MNIST(ImageArrayDataset):
@@ -242,8 +242,8 @@ class MNIST(ImageArrayDataset):
 
     def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None):
         help_text = "Download the four *-ubyte.gz files of MNIST (e.g. from https://yann.lecun.com/exdb/mnist/)."
-        ds = load_idx_split("mnist", split, data_dir, [str(d) for d in range(10)], help_text, None)
-        super().__init__(ds.images, ds.labels, ds.classes)
+        images, labels = load_idx_split("mnist", split, data_dir, help_text, None)
+        super().__init__(images, labels, [str(d) for d in range(10)])
 
 
 class MNIST5k(ImageArrayDataset):
@@ -345,13 +345,20 @@ class CIFAR(ImageArrayDataset):
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
-def read_image(path: str | os.PathLike) -> torch.Tensor:
-    """Any image file PIL reads -> uint8 RGB tensor (3, H, W); palette, gray and alpha modes become RGB."""
+def read_image(path: str | os.PathLike, mode: str = "RGB") -> torch.Tensor:
+    """Any image file PIL reads -> uint8 tensor (C, H, W) in `mode` ("RGB": palette, gray and alpha modes become
+    RGB; "L": grayscale, C = 1)."""
     from PIL import Image
 
-    with Image.open(path) as im:
-        rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such image file.")
+    try:
+        with Image.open(path) as im:
+            array = np.asarray(im.convert(mode), dtype=np.uint8)
+    except OSError as e:
+        raise ValueError(f"{path}: not an image PIL can read ({e}). Use a PNG or JPEG file.") from e
+    array = array[..., None] if array.ndim == 2 else array
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
 class ImageFolder(Dataset):

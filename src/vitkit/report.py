@@ -18,10 +18,9 @@ import torch
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from PIL import Image
 
 from . import inspect as vi
-from .data import DATASETS, get_dataset, to_input
+from .data import DATASETS, get_dataset, read_image, to_input
 from .model import VisionTransformer
 
 DPI = 100
@@ -48,18 +47,7 @@ def load_images(paths: list[str | os.PathLike], model: VisionTransformer) -> Sam
     """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
     (aspect ratio not kept), normalised with `to_input`."""
     mode = "L" if model.config.in_chans == 1 else "RGB"
-    images = []
-    for path in paths:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{path}: no such image file.")
-        try:
-            with Image.open(path) as im:
-                array = np.asarray(im.convert(mode), dtype=np.uint8)
-        except OSError as e:
-            raise ValueError(f"{path}: not an image PIL can read ({e}). Use a PNG or JPEG file.") from e
-        array = array[..., None] if array.ndim == 2 else array
-        uint8 = torch.from_numpy(array.copy()).permute(2, 0, 1)  # (C, h, w)
-        images.append(to_input(uint8, model.config.image_size, model.config.in_chans))
+    images = [to_input(read_image(path, mode), model.config.image_size, model.config.in_chans) for path in paths]
     return Samples(torch.cat(images), [Path(p).name for p in paths])
 
 
