@@ -33,6 +33,15 @@ def image(config) -> torch.Tensor:
     return torch.randn(2, config.in_chans, h, w)
 
 
+def assert_loads_with_their_logits(directory, theirs: torch.nn.Module) -> None:
+    """vitkit.load_checkpoint(directory) gives the HF model's logits to 1e-5."""
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            vitkit.load_checkpoint(directory)(x), theirs(pixel_values=x).logits, atol=1e-5, rtol=0
+        )
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_random_hf_model_loads_with_the_same_outputs(tmp_path, case):
     hf_config = HFConfig(**TINY | CASES[case])
@@ -55,22 +64,14 @@ def test_hf_pytorch_model_bin_directory_loads(tmp_path):
     weights = vitkit.checkpoints.read_safetensors(tmp_path / "model.safetensors")[0]
     (tmp_path / "model.safetensors").unlink()
     torch.save(weights, tmp_path / "pytorch_model.bin")
-    x = torch.randn(1, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(
-            vitkit.load_checkpoint(tmp_path)(x), theirs(pixel_values=x).logits, atol=1e-5, rtol=0
-        )
+    assert_loads_with_their_logits(tmp_path, theirs)
 
 
 def test_hf_sharded_safetensors_directory_loads(tmp_path):
     theirs = perturbed(ViTForImageClassification(HFConfig(**TINY)))
     theirs.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
-    x = torch.randn(1, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(
-            vitkit.load_checkpoint(tmp_path)(x), theirs(pixel_values=x).logits, atol=1e-5, rtol=0
-        )
+    assert_loads_with_their_logits(tmp_path, theirs)
 
 
 def test_hf_vit_model_pooler_is_the_pre_logits_layer(tmp_path):
