@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .checkpoints import atomic_write
+from .files import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 
