@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import check_fields
+
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear")
 PRECISIONS = ("fp32", "bf16")
@@ -117,7 +119,7 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
-        check_fields(changes)
+        check_fields(TrainConfig, changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,7 +127,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        check_fields(data)
+        check_fields(cls, data)
         return cls(**data)
 
     @classmethod
@@ -143,13 +145,6 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}.")
         return cls.from_dict(data)
-
-
-def check_fields(data: dict[str, Any]) -> None:
-    valid = [f.name for f in dataclasses.fields(TrainConfig)]
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown TrainConfig field(s) {unknown}; valid fields: {valid}.")
 
 
 def field_types() -> dict[str, Any]:
