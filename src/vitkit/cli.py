@@ -63,7 +63,7 @@ def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or with --resume continue) a run; exit status 130 when interrupted after saving a checkpoint."""
-    from .train import train
+    from .training import train
 
     if args.resume:
         result = train(resume=args.resume)
@@ -75,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split."""
     from .data import get_dataset
-    from .evaluate import evaluate, format_eval
+    from .evaluation import evaluate, format_eval
 
     model = load_checkpoint(args.checkpoint)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
@@ -93,7 +93,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
-    from .evaluate import predict
+    from .evaluation import predict
 
     model = load_checkpoint(args.checkpoint)
     for path, top in zip(args.images, predict(model, args.images, args.top_k)):

@@ -26,12 +26,12 @@ from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from .augment import AugmentConfig, random_draws, train_batch
-from .checkpoints import load_checkpoint, save
+from .checkpoints import export, load_checkpoint
 from .config import ViTConfig, decode_variant
 from .data import ImageArrayDataset, dataset_augmentation, get_dataset
 from .distributed import World, all_gather_tensors, any_process, barrier, close_world, init_world
 from .efficiency import count_params
-from .evaluate import EvalResult, autocast, batches, evaluate, format_eval
+from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
 from .recipes import TrainConfig, build_optimizer, freeze, learning_rate
 from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
@@ -248,7 +248,7 @@ def _train(config: TrainConfig, world: World, run_path: Path, saved: dict | None
         if result.top1 > best_top1:
             best_top1 = result.top1
             if world.is_main:
-                save(model, run_path / "best.safetensors")
+                export(model, run_path / "best.safetensors")
         return result
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -338,7 +338,7 @@ def _train(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
         final = run_eval()
     if not interrupted and world.is_main:
-        save(model, run_path / "model.safetensors")
+        export(model, run_path / "model.safetensors")
         plot_run(run_path, final.confusion if final else None, model.class_names)
     result = TrainResult(run_path, step, total, interrupted, final, best_top1, elapsed, time.perf_counter() - started)
     if world.is_main:
