@@ -34,7 +34,7 @@ from .distributed import World, all_gather_tensors, any_process, barrier, close_
 from .efficiency import count_params
 from .evaluate import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
-from .recipes import TrainConfig, build_optimizer, freeze, learning_rate
+from .recipes import TrainConfig, build_optimizer, learning_rate, set_trainable
 from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
@@ -64,7 +64,7 @@ def load_datasets(config: TrainConfig):
     return get_dataset(config.data, "train", **kwargs), get_dataset(config.data, "test", **kwargs)
 
 
-def build_model(config: TrainConfig, dataset) -> VisionTransformer:
+def initial_model(config: TrainConfig, dataset) -> VisionTransformer:
     """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
     the new resolution, a new zero-initialised head)."""
     num_classes = len(dataset.classes)
@@ -159,8 +159,8 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
-    model = build_model(config, train_set) if saved is None else saved_model(saved, train_set)
-    learning = freeze(model, config.train)
+    model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
+    learning = set_trainable(model, config.trainable)
     model.to(world.device)
     optimizer = build_optimizer(model, config)
     torch.manual_seed(config.seed * 1000 + world.rank + 1)  # dropout / stochastic depth differ between ranks
@@ -485,7 +485,7 @@ def format_summary(result: TrainResult, config: TrainConfig, model: VisionTransf
         f"data       {config.data}   model {config.checkpoint or config.model} {c.image_size[0]}x{c.image_size[1]}, "
         f"patch {c.patch_size[0]}, D={c.hidden_size}, L={c.num_layers}, {count_params(c):,} params",
         f"recipe     {config.optimizer} lr {config.lr:g}, wd {config.weight_decay:g}, batch {config.batch_size}, "
-        f"{config.schedule}, warmup {config.warmup_fraction:g}, train={config.train}, {config.precision}",
+        f"{config.schedule}, warmup {config.warmup_fraction:g}, trainable={config.trainable}, {config.precision}",
         f"steps      {result.step}/{result.total_steps} in {result.seconds / 60:.1f} min of training, "
         f"{result.wall_seconds / 60:.1f} min wall (data and evaluation included)",
     ]
