@@ -101,25 +101,29 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+# Other spellings of TrainConfig options, kept working for existing command lines.
+OPTION_ALIASES = {"trainable": ["--train"]}
+
+
 def _add_train_options(p: argparse.ArgumentParser) -> None:
     """One --option per TrainConfig field (dashes for underscores); unset options keep the config's value."""
     p.add_argument("--config", help="YAML or JSON file of TrainConfig fields (options given here override it)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR exactly")
     defaults = TrainConfig()
     for name, kind in field_types().items():
-        flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+        flags, default = ["--" + name.replace("_", "-"), *OPTION_ALIASES.get(name, [])], getattr(defaults, name)
         text = f"(default {default!r})"
         if kind in (dict, dict | None):
-            p.add_argument(flag, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
+            p.add_argument(*flags, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
                            help=f"{text}")  # fmt: skip
         elif kind in (bool, bool | None):
-            p.add_argument(flag, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
+            p.add_argument(*flags, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
             item = int if kind == tuple[int, int] | None else float
-            p.add_argument(flag, dest=name, type=item, nargs=2, default=argparse.SUPPRESS, help=text)
+            p.add_argument(*flags, dest=name, type=item, nargs=2, default=argparse.SUPPRESS, help=text)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
-            p.add_argument(flag, dest=name, type=item, default=argparse.SUPPRESS, help=text)
+            p.add_argument(*flags, dest=name, type=item, default=argparse.SUPPRESS, help=text)
 
 
 def _mapping(text: str) -> dict:

@@ -15,7 +15,8 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from .distributed import World, all_gather_tensors, any_process, barrier, close_
 from .efficiency import count_params
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
-from .recipes import TrainConfig, build_optimizer, freeze, learning_rate
+from .recipes import TrainConfig, build_optimizer, learning_rate, set_trainable
 from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
@@ -63,7 +64,7 @@ def load_datasets(config: TrainConfig):
     return get_dataset(config.data, "train", **kwargs), get_dataset(config.data, "test", **kwargs)
 
 
-def build_model(config: TrainConfig, dataset) -> VisionTransformer:
+def initial_model(config: TrainConfig, dataset) -> VisionTransformer:
     """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
     the new resolution, a new zero-initialised head)."""
     num_classes = len(dataset.classes)
@@ -146,206 +147,315 @@ def train(
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        return _train(config, world, run_path, saved, stop_after)
+        return _train_session(config, world, run_path, saved, stop_after)
     finally:
         torch.set_num_threads(threads)
         close_world(world)
 
 
-def _train(config: TrainConfig, world: World, run_path: Path, saved: dict | None, stop_after: int | None):
+def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dict | None, stop_after: int | None):
+    """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
+    checkpoints at their intervals, then finish."""
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
-    if saved is not None:
-        model = VisionTransformer(ViTConfig.from_dict(json.loads(saved["model_config"])))
-        model.class_names = list(train_set.classes)
-    else:
-        model = build_model(config, train_set)
-    learning = freeze(model, config.train)
+    model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
+    learning = set_trainable(model, config.trainable)
     model.to(world.device)
     optimizer = build_optimizer(model, config)
     torch.manual_seed(config.seed * 1000 + world.rank + 1)  # dropout / stochastic depth differ between ranks
+    plan = plan_steps(config, len(train_set), world)
+    run = RunDir(run_path, enabled=world.is_main)
+    state = TrainState(config, world, plan, augment_config(config, train_set), model, model, optimizer, run)
+    if saved is not None:
+        restore(state, saved)
+    else:
+        run.write_json("config.json", run_description(state, learning))
+    state.net = data_parallel(model, world)  # after restoring: every process starts from the same weights
 
+    final: EvalResult | None = None
+    bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
+               dynamic_ncols=True)  # fmt: skip
+    model.train()
+    with StopRequest() as stop:
+        micro_batches = None
+        while state.step < plan.total:
+            if micro_batches is None or state.step % plan.steps_per_epoch == 0:  # started, resumed or a new epoch
+                micro_batches = epoch_micro_batches(train_set, state)
+            lr = train_step(state, micro_batches)
+            bar.update(1)
+            if state.step % config.log_every == 0 or state.step == plan.total:
+                record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, config.batch_size)
+                run.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}",
+                                img_s=f"{record['images_per_s']:.0f}")  # fmt: skip
+            if state.step % plan.eval_interval == 0 or state.step == plan.total:
+                final = run_evaluation(state, test_set)
+                if world.is_main:
+                    bar.write(f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
+                              f"top-5 {100 * final.top5:.2f}%")  # fmt: skip
+                save_checkpoint(state)
+            if any_process(stop.requested or (stop_after is not None and state.step >= stop_after), world):
+                break
+        interrupted = state.step < plan.total
+        if interrupted:
+            save_checkpoint(state)
+    bar.close()
+    if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
+        final = run_evaluation(state, test_set)
+    return finish(state, final, interrupted, started)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How long the run is, and how one step's global batch is split over processes and micro-batches."""
+
+    total: int  # optimiser steps of the whole run
+    steps_per_epoch: int
+    warmup: int  # steps of linear learning-rate warmup
+    eval_interval: int  # steps between evaluations (and checkpoints)
+    per_rank: int  # images per process per step
+    micro: int  # images per micro-batch
+
+
+def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
+    """The step plan for `num_images` training images, or a ValueError when the batch cannot be split evenly."""
     if config.batch_size % (world.size * config.accumulation_steps):
         raise ValueError(
             f"batch_size={config.batch_size} is not divisible by {world.size} processes x "
             f"{config.accumulation_steps} accumulation steps: choose a multiple of "
             f"{world.size * config.accumulation_steps}."
         )
-    steps_per_epoch = len(train_set) // config.batch_size
+    steps_per_epoch = num_images // config.batch_size
     if steps_per_epoch < 1:
-        raise ValueError(f"batch_size={config.batch_size} exceeds the {len(train_set)} training images: lower it.")
+        raise ValueError(f"batch_size={config.batch_size} exceeds the {num_images} training images: lower it.")
     total = config.steps or math.ceil(config.epochs * steps_per_epoch)
-    warmup = round(config.warmup_fraction * total)
     eval_interval = max(round(config.eval_every * steps_per_epoch), 1) if config.eval_every > 0 else total
-    augment = augment_config(config, train_set)
-    sampler = DistributedSampler(
-        train_set, num_replicas=world.size, rank=world.rank, shuffle=True, seed=config.seed, drop_last=True
-    )
     per_rank = config.batch_size // world.size
-    micro = per_rank // config.accumulation_steps
+    return StepPlan(
+        total=total,
+        steps_per_epoch=steps_per_epoch,
+        warmup=round(config.warmup_fraction * total),
+        eval_interval=eval_interval,
+        per_rank=per_rank,
+        micro=per_rank // config.accumulation_steps,
+    )
 
-    run = RunDir(run_path, enabled=world.is_main)
-    step, best_top1, elapsed = 0, -1.0, 0.0
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        step, best_top1, elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
-        if len(saved["rng"]) == world.size:
-            torch.set_rng_state(saved["rng"][world.rank])
-            if world.device.type == "cuda" and saved.get("cuda_rng"):
-                torch.cuda.set_rng_state(saved["cuda_rng"][world.rank], world.device)
-        if world.is_main:
-            truncate_metrics(run_path, step)
-    else:
-        run.write_json(
-            "config.json",
-            {
-                "train": config.to_dict(),
-                "model": model.config.to_dict(),
-                "classes": model.class_names,
-                "augment": augment.__dict__,
-                "world_size": world.size,
-                "total_steps": total,
-                "steps_per_epoch": steps_per_epoch,
-                "learning_parameters": learning,
-            },
-        )
-    net = model
-    if world.size > 1:
-        net = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
 
-    def checkpoint_state() -> dict:
-        rng = all_gather_tensors(torch.get_rng_state(), world)
-        cuda_rng = (
-            all_gather_tensors(torch.cuda.get_rng_state(world.device), world) if world.device.type == "cuda" else []
-        )
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "config": json.dumps(config.to_dict()),
-            "model_config": json.dumps(model.config.to_dict()),
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+@dataclass
+class MetricsWindow:
+    """Training loss and accuracy summed since the last metrics record, and the seconds spent in those steps."""
+
+    loss: float = 0.0  # summed over images
+    top1: int = 0
+    top5: int = 0
+    count: int = 0  # images
+    steps: int = 0
+    seconds: float = 0.0
+
+    @torch.no_grad()
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """One micro-batch: its mean loss and its logits (B, K) against the true labels (B,)."""
+        self.loss += float(loss) * len(labels)
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        self.top1 += int((top5[:, 0] == labels).sum())
+        self.top5 += int((top5 == labels[:, None]).any(1).sum())
+        self.count += len(labels)
+
+    def add_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+
+    def flush(self, step: int, epoch: float, lr: float, batch_size: int) -> dict:
+        """The metrics.jsonl record of the window (on this process's images); the window starts again empty."""
+        n = max(self.count, 1)
+        record = {
+            "split": "train",
             "step": step,
-            "epoch": step // steps_per_epoch,
-            "batch_in_epoch": step % steps_per_epoch,
-            "sampler_seed": config.seed,
-            "total_steps": total,
-            "best_top1": best_top1,
-            "elapsed": elapsed,
-            "rng": [t.cpu() for t in rng],
-            "cuda_rng": [t.cpu() for t in cuda_rng],
+            "epoch": epoch,
+            "lr": lr,
+            "loss": self.loss / n,
+            "top1": self.top1 / n,
+            "top5": self.top5 / n,
+            "images_per_s": self.steps * batch_size / max(self.seconds, 1e-9),
         }
+        self.loss, self.top1, self.top5, self.count, self.steps, self.seconds = 0.0, 0, 0, 0, 0, 0.0
+        return record
 
-    def run_eval() -> EvalResult:
-        nonlocal best_top1
-        result = evaluate(
-            model, test_set, batch_size=config.eval_batch_size, precision=config.precision, world=world,
-            workers=config.workers,
-        )  # fmt: skip
-        run.log({"split": "test", "step": step, "epoch": step / steps_per_epoch, "loss": result.loss,
-                 "top1": result.top1, "top5": result.top5})  # fmt: skip
-        if result.top1 > best_top1:
-            best_top1 = result.top1
-            if world.is_main:
-                export(model, run_path / "best.safetensors")
-        return result
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    final: EvalResult | None = None
-    interrupted = False
-    window = {"loss": 0.0, "top1": 0, "top5": 0, "count": 0, "steps": 0, "time": 0.0}
-    bar = tqdm(total=total, initial=step, disable=None if world.is_main else True, unit="step", dynamic_ncols=True)
-    model.train()
-    with StopRequest() as stop:
-        while step < total and not interrupted:
-            epoch, start = step // steps_per_epoch, step % steps_per_epoch
-            sampler.set_epoch(epoch)
-            order = list(sampler)
-            # This rank's share of each remaining global batch of the epoch, cut into micro-batches.
-            rank_batches = [order[i * per_rank : (i + 1) * per_rank] for i in range(start, steps_per_epoch)]
-            micro_batches = [
-                b[m * micro : (m + 1) * micro] for b in rank_batches for m in range(config.accumulation_steps)
-            ]
-            loader = batches(train_set, micro_batches, config.workers)
-            for _ in range(start, steps_per_epoch):
-                if step >= total:
-                    break
-                tick = time.perf_counter()
-                step += 1
-                generator = torch.Generator().manual_seed(step_seed(config.seed, step))
-                draws = random_draws(config.batch_size, generator)[world.rank :: world.size]  # this rank's samples
-                lr = learning_rate(step, total, config.lr, warmup, config.schedule)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                for m in range(config.accumulation_steps):
-                    images, labels = next(loader)
-                    x, targets = train_batch(
-                        images, labels, draws[m * micro : (m + 1) * micro], model.config.image_size, augment,
-                        model.config.num_classes, model.config.in_chans,
-                    )  # fmt: skip
-                    x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
-                    sync = m == config.accumulation_steps - 1 or world.size == 1
-                    with net.no_sync() if not sync else contextlib.nullcontext():
-                        with autocast(world.device, config.precision):
-                            logits = net(x)
-                        loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
-                        (loss / config.accumulation_steps).backward()
-                    with torch.no_grad():
-                        window["loss"] += float(loss) * len(labels)
-                        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
-                        window["top1"] += int((top5[:, 0] == labels).sum())
-                        window["top5"] += int((top5 == labels[:, None]).any(1).sum())
-                        window["count"] += len(labels)
-                if config.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                spent = time.perf_counter() - tick
-                elapsed += spent
-                window["time"] += spent
-                window["steps"] += 1
-                bar.update(1)
-                if step % config.log_every == 0 or step == total:
-                    n = max(window["count"], 1)
-                    record = {
-                        "split": "train",
-                        "step": step,
-                        "epoch": step / steps_per_epoch,
-                        "lr": lr,
-                        "loss": window["loss"] / n,
-                        "top1": window["top1"] / n,
-                        "top5": window["top5"] / n,
-                        "images_per_s": window["steps"] * config.batch_size / max(window["time"], 1e-9),
-                    }
-                    run.log(record)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}",
-                                    img_s=f"{record['images_per_s']:.0f}")  # fmt: skip
-                    window = dict.fromkeys(window, 0)
-                if step % eval_interval == 0 or step == total:
-                    final = run_eval()
-                    if world.is_main:
-                        bar.write(
-                            f"step {step}/{total}  test top-1 {100 * final.top1:.2f}%  top-5 {100 * final.top5:.2f}%"
-                        )
-                    run.save_checkpoint(checkpoint_state())
-                if any_process(stop.requested or (stop_after is not None and step >= stop_after), world):
-                    interrupted = step < total
-                    if interrupted:
-                        run.save_checkpoint(checkpoint_state())
-                    break
-    bar.close()
-    if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
-        final = run_eval()
-    if not interrupted and world.is_main:
-        export(model, run_path / "model.safetensors")
-        plot_run(run_path, final.confusion if final else None, model.class_names)
-    result = TrainResult(run_path, step, total, interrupted, final, best_top1, elapsed, time.perf_counter() - started)
+@dataclass
+class TrainState:
+    """What the steps of a run share: the fixed set-up, then what changes from step to step. `checkpoint_state`
+    saves the changing part with the RNG states, `restore` puts it back."""
+
+    config: TrainConfig
+    world: World
+    plan: StepPlan
+    augment: AugmentConfig
+    model: VisionTransformer
+    net: torch.nn.Module  # the model, or its DistributedDataParallel wrapper when there are several processes
+    optimizer: torch.optim.Optimizer
+    run: RunDir
+    step: int = 0  # optimiser updates done
+    best_top1: float = -1.0
+    elapsed: float = 0.0  # seconds in training steps, over all sessions of the run
+    window: MetricsWindow = field(default_factory=MetricsWindow)
+
+
+def saved_model(saved: dict, dataset) -> VisionTransformer:
+    """The architecture of a saved run, named with the dataset's classes; `restore` loads its weights."""
+    model = VisionTransformer(ViTConfig.from_dict(json.loads(saved["model_config"])))
+    model.class_names = list(dataset.classes)
+    return model
+
+
+def data_parallel(model: VisionTransformer, world: World) -> torch.nn.Module:
+    """The model wrapped by DistributedDataParallel (gradients all-reduced in backward) when there are several
+    processes; the model itself otherwise."""
+    if world.size == 1:
+        return model
+    return DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+
+
+def run_description(state: TrainState, learning: list[str]) -> dict:
+    """config.json of a new run: the resolved configs, the classes and how the steps are planned."""
+    return {
+        "train": state.config.to_dict(),
+        "model": state.model.config.to_dict(),
+        "classes": state.model.class_names,
+        "augment": state.augment.__dict__,
+        "world_size": state.world.size,
+        "total_steps": state.plan.total,
+        "steps_per_epoch": state.plan.steps_per_epoch,
+        "learning_parameters": learning,
+    }
+
+
+def restore(state: TrainState, saved: dict) -> None:
+    """Continue from a checkpoint: weights, optimiser, step, best top-1, training seconds, and each process's RNG
+    (when the number of processes is unchanged); metrics logged after the checkpoint are dropped."""
+    state.model.load_state_dict(saved["model"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.step, state.best_top1, state.elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
+    world = state.world
+    if len(saved["rng"]) == world.size:
+        torch.set_rng_state(saved["rng"][world.rank])
+        if world.device.type == "cuda" and saved.get("cuda_rng"):
+            torch.cuda.set_rng_state(saved["cuda_rng"][world.rank], world.device)
     if world.is_main:
-        run.write_json("summary.json", summary_dict(result, config, model))
-        print(format_summary(result, config, model), flush=True)
-    barrier(world)
-    run.close()
+        truncate_metrics(state.run.path, state.step)
+
+
+def epoch_micro_batches(dataset, state: TrainState) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(images, labels) of this process's micro-batches for the rest of the current epoch: the epoch's
+    `DistributedSampler` permutation (seed + epoch) cut into global batches, this process's share of each,
+    cut into `accumulation_steps` micro-batches."""
+    config, plan, world = state.config, state.plan, state.world
+    epoch, start = divmod(state.step, plan.steps_per_epoch)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=config.seed, drop_last=True
+    )
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    shares = [order[i * plan.per_rank : (i + 1) * plan.per_rank] for i in range(start, plan.steps_per_epoch)]
+    micro = plan.micro
+    micro_batches = [s[m * micro : (m + 1) * micro] for s in shares for m in range(config.accumulation_steps)]
+    return batches(dataset, micro_batches, config.workers)
+
+
+def train_step(state: TrainState, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """One optimiser update on one global batch: the next `accumulation_steps` micro-batches, augmented with the
+    step's own draws, their gradients averaged (across processes at the last one only), clipped and applied.
+    The window collects the loss and accuracy; returns the step's learning rate."""
+    config, world, model, micro = state.config, state.world, state.model, state.plan.micro
+    tick = time.perf_counter()
+    state.step += 1
+    generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
+    draws = random_draws(config.batch_size, generator)[world.rank :: world.size]  # this process's samples
+    lr = learning_rate(state.step, state.plan.total, config.lr, state.plan.warmup, config.schedule)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    for m in range(config.accumulation_steps):
+        images, labels = next(micro_batches)
+        x, targets = train_batch(
+            images, labels, draws[m * micro : (m + 1) * micro], model.config.image_size, state.augment,
+            model.config.num_classes, model.config.in_chans,
+        )  # fmt: skip
+        x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
+        sync = m == config.accumulation_steps - 1 or world.size == 1
+        with state.net.no_sync() if not sync else contextlib.nullcontext():
+            with autocast(world.device, config.precision):
+                logits = state.net(x)
+            loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
+            (loss / config.accumulation_steps).backward()
+        state.window.add(loss, logits, labels)
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.grad_clip)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    spent = time.perf_counter() - tick
+    state.elapsed += spent
+    state.window.add_step(spent)
+    return lr
+
+
+def run_evaluation(state: TrainState, test_set) -> EvalResult:
+    """Evaluate on the test split, log it, and keep the model as best.safetensors when its top-1 is the best."""
+    config = state.config
+    result = evaluate(
+        state.model, test_set, batch_size=config.eval_batch_size, precision=config.precision, world=state.world,
+        workers=config.workers,
+    )  # fmt: skip
+    state.run.log({"split": "test", "step": state.step, "epoch": state.step / state.plan.steps_per_epoch,
+                   "loss": result.loss, "top1": result.top1, "top5": result.top5})  # fmt: skip
+    if result.top1 > state.best_top1:
+        state.best_top1 = result.top1
+        if state.world.is_main:
+            export(state.model, state.run.path / "best.safetensors")
+    return result
+
+
+def checkpoint_state(state: TrainState) -> dict:
+    """Everything `restore` needs, every process's RNG state included (a collective call: all processes)."""
+    world, plan = state.world, state.plan
+    rng = all_gather_tensors(torch.get_rng_state(), world)
+    cuda_rng = all_gather_tensors(torch.cuda.get_rng_state(world.device), world) if world.device.type == "cuda" else []
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "config": json.dumps(state.config.to_dict()),
+        "model_config": json.dumps(state.model.config.to_dict()),
+        "model": state.model.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "step": state.step,
+        "epoch": state.step // plan.steps_per_epoch,
+        "batch_in_epoch": state.step % plan.steps_per_epoch,
+        "sampler_seed": state.config.seed,
+        "total_steps": plan.total,
+        "best_top1": state.best_top1,
+        "elapsed": state.elapsed,
+        "rng": [t.cpu() for t in rng],
+        "cuda_rng": [t.cpu() for t in cuda_rng],
+    }
+
+
+def save_checkpoint(state: TrainState) -> None:
+    """checkpoint.pt in the run directory, written atomically by the main process."""
+    state.run.save_checkpoint(checkpoint_state(state))
+
+
+def finish(state: TrainState, final: EvalResult | None, interrupted: bool, started: float) -> TrainResult:
+    """A finished run keeps model.safetensors and its plots; every run writes summary.json and prints it.
+    `started`: `time.perf_counter()` when the session began (for the wall time)."""
+    if not interrupted and state.world.is_main:
+        export(state.model, state.run.path / "model.safetensors")
+        plot_run(state.run.path, final.confusion if final else None, state.model.class_names)
+    result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
+                         state.elapsed, time.perf_counter() - started)  # fmt: skip
+    if state.world.is_main:
+        state.run.write_json("summary.json", summary_dict(result, state.config, state.model))
+        print(format_summary(result, state.config, state.model), flush=True)
+    barrier(state.world)
+    state.run.close()
     return result
 
 
@@ -375,7 +485,7 @@ def format_summary(result: TrainResult, config: TrainConfig, model: VisionTransf
         f"data       {config.data}   model {config.checkpoint or config.model} {c.image_size[0]}x{c.image_size[1]}, "
         f"patch {c.patch_size[0]}, D={c.hidden_size}, L={c.num_layers}, {count_params(c):,} params",
         f"recipe     {config.optimizer} lr {config.lr:g}, wd {config.weight_decay:g}, batch {config.batch_size}, "
-        f"{config.schedule}, warmup {config.warmup_fraction:g}, train={config.train}, {config.precision}",
+        f"{config.schedule}, warmup {config.warmup_fraction:g}, trainable={config.trainable}, {config.precision}",
         f"steps      {result.step}/{result.total_steps} in {result.seconds / 60:.1f} min of training, "
         f"{result.wall_seconds / 60:.1f} min wall (data and evaluation included)",
     ]
