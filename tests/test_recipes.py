@@ -98,5 +98,7 @@ def test_train_config_errors_name_the_bad_value():
         TrainConfig(trainable="all")
     with pytest.raises(ValueError, match="batch_size=100 must be a positive multiple of accumulation_steps=3"):
         TrainConfig(batch_size=100, accumulation_steps=3)
-    with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) \['learning_rate'\]"):
+    with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) 'learning_rate'; valid fields: data, "):
         TrainConfig.from_dict({"learning_rate": 1.0})
+    with pytest.raises(ValueError, match=r"'weight_decy' \(did you mean 'weight_decay'\?\)"):
+        TrainConfig().replace(weight_decy=0.1)

@@ -119,8 +119,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
         elif kind in (bool, bool | None):
             p.add_argument(*flags, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
-            item = int if kind == tuple[int, int] | None else float
-            p.add_argument(*flags, dest=name, type=item, nargs=2, default=argparse.SUPPRESS, help=text)
+            number = int if kind == tuple[int, int] | None else float
+            p.add_argument(*flags, dest=name, type=number, nargs=2, default=argparse.SUPPRESS, help=text)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
             p.add_argument(*flags, dest=name, type=item, default=argparse.SUPPRESS, help=text)

@@ -32,12 +32,10 @@ HYBRID_STAGES: dict[tuple[str, int], tuple[int, ...]] = {
 
 
 def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
-    if isinstance(value, int):
-        value = (value, value)
-    value = tuple(value)
-    if len(value) != 2 or not all(isinstance(v, int) and v > 0 for v in value):
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
         raise ValueError(f"{name}={value!r} is invalid: give a positive int or an (height, width) pair of them.")
-    return value  # type: ignore[return-value]
+    return pair[0], pair[1]
 
 
 def check_fields(cls: type, names: Iterable[str]) -> None:
@@ -90,8 +88,8 @@ class ViTConfig:
     uses 1x1 patches on the stride-16 ResNet feature map).
     """
 
-    image_size: int | tuple[int, int] = 224
-    patch_size: int | tuple[int, int] = 16
+    image_size: tuple[int, int] = (224, 224)  # an int n is taken as (n, n)
+    patch_size: tuple[int, int] = (16, 16)  # likewise
     in_chans: int = 3
     num_classes: int = 1000
     hidden_size: int = 768
@@ -156,12 +154,12 @@ class ViTConfig:
     def patch_stride(self) -> tuple[int, int]:
         """Pixels between neighbouring tokens (patch size times the hybrid stem's stride)."""
         scale = self.hybrid.stride if self.hybrid else 1
-        return (self.patch_size[0] * scale, self.patch_size[1] * scale)  # type: ignore[index]
+        return (self.patch_size[0] * scale, self.patch_size[1] * scale)
 
     @property
     def grid_size(self) -> tuple[int, int]:
         """(gh, gw): tokens per column and per row."""
-        return (self.image_size[0] // self.patch_stride[0], self.image_size[1] // self.patch_stride[1])  # type: ignore[index]
+        return (self.image_size[0] // self.patch_stride[0], self.image_size[1] // self.patch_stride[1])
 
     @property
     def num_patches(self) -> int:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,9 +108,9 @@ def step_seed(seed: int, step: int) -> int:
 class StopRequest:
     """Ctrl-C / SIGTERM ask the run to stop after the current step (a second Ctrl-C stops at once)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.requested = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -136,8 +137,9 @@ def train(
     if config is not None and resume is not None:
         raise ValueError(f"give a config or resume={str(resume)!r}, not both: a resumed run keeps its saved config.")
     config = config or TrainConfig()
-    saved = read_checkpoint(resume) if resume is not None else None
-    if saved is not None:
+    saved = None
+    if resume is not None:
+        saved = read_checkpoint(resume)
         config = TrainConfig.from_dict(json.loads(saved["config"]))
         run_path = Path(resume)
     else:
@@ -352,7 +354,7 @@ def epoch_micro_batches(dataset, state: TrainState) -> Iterator[tuple[torch.Tens
     cut into `accumulation_steps` micro-batches."""
     config, plan, world = state.config, state.plan, state.world
     epoch, start = divmod(state.step, plan.steps_per_epoch)
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[int] = DistributedSampler(
         dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=config.seed, drop_last=True
     )
     sampler.set_epoch(epoch)
@@ -382,8 +384,9 @@ def train_step(state: TrainState, micro_batches: Iterator[tuple[torch.Tensor, to
             model.config.num_classes, model.config.in_chans,
         )  # fmt: skip
         x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
-        sync = m == config.accumulation_steps - 1 or world.size == 1
-        with state.net.no_sync() if not sync else contextlib.nullcontext():
+        # DistributedDataParallel all-reduces the gradients on the last micro-batch of the step only.
+        no_sync = getattr(state.net, "no_sync", contextlib.nullcontext)
+        with contextlib.nullcontext() if m == config.accumulation_steps - 1 else no_sync():
             with autocast(world.device, config.precision):
                 logits = state.net(x)
             loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
@@ -448,7 +451,7 @@ def finish(state: TrainState, final: EvalResult | None, interrupted: bool, start
     `started`: `time.perf_counter()` when the session began (for the wall time)."""
     if not interrupted and state.world.is_main:
         export(state.model, state.run.path / "model.safetensors")
-        plot_run(state.run.path, final.confusion if final else None, state.model.class_names)
+        plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
     result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
                          state.elapsed, time.perf_counter() - started)  # fmt: skip
     if state.world.is_main:
@@ -471,7 +474,7 @@ def summary_dict(result: TrainResult, config: TrainConfig, model: VisionTransfor
         "test_top1": result.final.top1 if result.final else None,
         "test_top5": result.final.top5 if result.final else None,
         "best_test_top1": result.best_top1,
-        "per_class": dict(zip(model.class_names, result.final.per_class)) if result.final else None,
+        "per_class": dict(zip(model.class_names or [], result.final.per_class)) if result.final else None,
         "parameters": count_params(model.config),
     }
 

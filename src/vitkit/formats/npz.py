@@ -73,7 +73,7 @@ def attention(ours: str, theirs: str, config: ViTConfig) -> list[Rule]:
     q, k, v = (f"{theirs}/{n}" for n in ("query", "key", "value"))
     rules = [
         fused_qkv(
-            f"{ours}.qkv.weight", *(f"{n}/kernel" for n in (q, k, v)),
+            f"{ours}.qkv.weight", f"{q}/kernel", f"{k}/kernel", f"{v}/kernel",
             merge=lambda t: shaped(t, kernel).reshape(d, d).T, split=lambda w: w.T.reshape(kernel),
         ),
         Rule(
@@ -85,7 +85,7 @@ def attention(ours: str, theirs: str, config: ViTConfig) -> list[Rule]:
     if config.qkv_bias:
         rules.append(
             fused_qkv(
-                f"{ours}.qkv.bias", *(f"{n}/bias" for n in (q, k, v)),
+                f"{ours}.qkv.bias", f"{q}/bias", f"{k}/bias", f"{v}/bias",
                 merge=lambda t: shaped(t, bias).reshape(d), split=lambda b: b.reshape(bias),
             )
         )  # fmt: skip
@@ -214,6 +214,6 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as its options
 
     atomic_write(path, write)
