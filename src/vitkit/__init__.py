@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .architectures import create_model
 from .checkpoints import export, load_checkpoint
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
@@ -18,8 +19,14 @@ from .recipes import TrainConfig
 __version__ = "0.2.0.dev0"
 
 # Public names whose modules load on first use: name -> module.
-_LAZY = {"train": "training", "evaluate": "evaluation", "predict": "evaluation"}
-_SUBMODULES = ("analysis", "data", "formats", "report", "training", "evaluation")
+_LAZY = {
+    "train": "training",
+    "evaluate": "evaluation",
+    "predict": "evaluation",
+    "fewshot": "evaluation",
+    "experiment": "experiments",
+}
+_SUBMODULES = ("analysis", "data", "experiments", "formats", "report", "training", "evaluation")
 
 
 def __getattr__(name: str) -> Any:
@@ -28,11 +35,6 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'vitkit' has no attribute {name!r}")
-
-
-def create_model(name: str, **overrides) -> VisionTransformer:
-    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)`."""
-    return VisionTransformer(decode_variant(name, **overrides))
 
 
 __all__ = [
@@ -44,7 +46,9 @@ __all__ = [
     "create_model",
     "decode_variant",
     "evaluate",
+    "experiment",
     "export",
+    "fewshot",
     "flops",
     "list_models",
     "load_checkpoint",

@@ -47,5 +47,8 @@ def load_checkpoint(
 def export(model: VisionTransformer, path: str | os.PathLike, format: str = "vitkit") -> None:
     """Write `model` in `format` (atomically): "vitkit" (a file), "hf" (a directory), "timm" (a safetensors
     state dict) or "npz" (the official layout). Class names travel in vitkit and timm metadata and in Hugging
-    Face's id2label."""
+    Face's id2label. A BiT ResNet baseline is written in vitkit's format only."""
+    if not isinstance(model, VisionTransformer) and format != "vitkit":
+        raise ValueError(f"format={format!r} holds Vision Transformers only: export a {type(model).__name__} with "
+                         "format='vitkit'.")  # fmt: skip
     formats.get_format(format).export(model, path)

@@ -73,13 +73,23 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split."""
+    """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split; with --fewshot, the paper's
+    few-shot linear accuracy of its frozen features instead."""
     from .data import get_dataset
-    from .evaluation import evaluate, format_eval
+    from .evaluation import evaluate, fewshot, format_eval
 
     model = load_checkpoint(args.checkpoint)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
     dataset = get_dataset(args.data, args.split, **kwargs)
+    if args.fewshot:
+        shots = _shots(args.fewshot)
+        result = fewshot(model, get_dataset(args.data, "train", **kwargs), dataset, shots, args.draws, args.l2,
+                         args.seed)  # fmt: skip
+        print(f"{args.checkpoint} on {args.data} ({args.split}): few-shot linear accuracy, {args.draws} draws")
+        for k, acc in result.accuracy.items():
+            spread = _std(result.per_draw[k])
+            print(f"  {k:>3}-shot  {100 * acc:6.2f}%  (+- {100 * spread:.2f} over draws)")
+        return 0
     if len(dataset.classes) != model.config.num_classes:
         raise ValueError(
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
@@ -91,6 +101,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shots(text: str) -> tuple[int, ...]:
+    try:
+        shots = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--fewshot {text!r}: give shots per class as integers separated by commas, e.g. 1,5,10."
+        ) from None
+    return shots
+
+
+def _std(values: list[float]) -> float:
+    """Standard deviation (0 for a single value)."""
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
     from .evaluation import predict
@@ -98,6 +124,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     model = load_checkpoint(args.checkpoint)
     for path, top in zip(args.images, predict(model, args.images, args.top_k)):
         print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
+    return 0
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    """Run one of the paper's experiments (resumable) and write its results JSON, table and plot."""
+    from .experiments import experiment
+
+    result = experiment(args.name, preset=args.preset, seeds=args.seeds, out=args.out, checkpoint=args.checkpoint,
+                        threads=args.threads)  # fmt: skip
+    print(result.files["table"].read_text())
+    print(f"{result.trained} training run(s) and {result.measured} measurement(s) done in {result.seconds / 60:.1f} "
+          f"min; wrote {', '.join(str(p) for p in result.files.values())}")  # fmt: skip
     return 0
 
 
@@ -188,7 +226,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=("train", "test"))
     p.add_argument("--batch-size", type=int, default=1000)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--fewshot", metavar="K,K,...", help="few-shot linear accuracy with K images per class, e.g. 1,5,10")
+    p.add_argument("--draws", type=int, default=5, help="random draws of the shots to average (default 5)")
+    p.add_argument("--l2", type=float, default=1.0, help="ridge regularisation of the few-shot fit (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the few-shot draws (default 0)")
     p.set_defaults(func=cmd_eval)
+
+    from .experiments import EXPERIMENTS, PRESETS, PRETRAINED
+
+    p = sub.add_parser("experiment", help="re-run one of the paper's findings (docs/EXPERIMENTS.md)")
+    p.add_argument("name", choices=list(EXPERIMENTS), help="the experiment")
+    p.add_argument("--preset", default="small", choices=list(PRESETS), help="scale (default small; tiny: seconds)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per run (default 1)")
+    p.add_argument(
+        "--out", default="experiments", help="results folder, shared between experiments (default ./experiments)"
+    )
+    p.add_argument("--checkpoint", help=f"pre-trained model (default {PRETRAINED}; tiny: a random stand-in)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
     p.add_argument("--checkpoint", required=True, help="model file with class names (as `vitkit train` saves)")

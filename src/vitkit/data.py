@@ -431,6 +431,22 @@ def dataset_augmentation(dataset: Dataset) -> tuple[tuple[float, float], bool]:
     return tuple(getattr(dataset, "crop_scale", (0.05, 1.0))), bool(getattr(dataset, "flip", True))
 
 
+def subset(dataset: LabelledDataset, size: int, seed: int = 0) -> ImageArrayDataset:
+    """A fixed random `size` images of a split (the same for a seed on every machine), held in memory, with the
+    dataset's classes and augmentation."""
+    if not 1 <= size <= len(dataset):
+        raise ValueError(f"a subset of {size} images: the split has {len(dataset)}; choose 1 to {len(dataset)}.")
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:size]
+    if isinstance(dataset, ImageArrayDataset):
+        images, labels = dataset.images[order], dataset.labels[order]
+    else:
+        samples = [dataset[i] for i in order.tolist()]
+        images, labels = torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
+    out = ImageArrayDataset(images, labels, dataset.classes)
+    out.crop_scale, out.flip = dataset_augmentation(dataset)  # type: ignore[assignment]
+    return out
+
+
 def get_dataset(name: str, split: str = "train", **kwargs) -> LabelledDataset:
     """A named dataset's split; samples are (uint8 image (C, H, W), label) and `.classes` names the labels."""
     if name not in DATASETS:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from .config import ResNetConfig, ViTConfig
+from .resnet import BiTConfig
 
 
-def count_params(config: ViTConfig) -> int:
+def count_params(config: ViTConfig | BiTConfig) -> int:
     """Number of learned parameters, counted on the meta device (no memory is allocated)."""
-    from .model import VisionTransformer
+    from .architectures import model_from_config
 
     with torch.device("meta"):
-        model = VisionTransformer(config)
+        model = model_from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -41,12 +42,15 @@ def _stem_macs(config: ResNetConfig, in_chans: int, image_size: tuple[int, int])
     return macs
 
 
-def flops(config: ViTConfig) -> int:
+def flops(config: ViTConfig | BiTConfig) -> int:
     """Forward FLOPs for one image, counting a multiply-add as 2 (matmuls and convolutions only).
 
     ViT-B/16 at 224 px is 35.1 GFLOP. Norms, softmax and activations are a few percent and are left out,
-    as in the usual tables.
+    as in the usual tables. A BiT ResNet counts its convolutions and its head.
     """
+    if isinstance(config, BiTConfig):
+        macs = _stem_macs(config.stem, config.in_chans, config.image_size)
+        return 2 * (macs + config.stem.out_channels * config.num_classes)
     d, n, ph, pw = config.hidden_size, config.num_tokens, *config.patch_size
     macs = 0
     cin = config.in_chans

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from .architectures import Model
 from .augment import eval_batch
 from .data import ImageArrayDataset, LabelledDataset, read_image
 from .distributed import World, all_reduce_sum
-from .model import VisionTransformer
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor | li
 
 @torch.no_grad()
 def evaluate(
-    model: VisionTransformer,
+    model: Model,
     dataset: LabelledDataset,
     *,
     batch_size: int = 1000,
@@ -126,7 +126,7 @@ def format_eval(result: EvalResult, classes: list[str] | None) -> str:
 
 
 @torch.no_grad()
-def predict(model: VisionTransformer, paths: list[str | os.PathLike], k: int = 5) -> list[list[tuple[str, float]]]:
+def predict(model: Model, paths: list[str | os.PathLike], k: int = 5) -> list[list[tuple[str, float]]]:
     """Top-k (class name, probability) for each image file, evaluated as in `evaluate`."""
     model.eval()
     device = next(model.parameters()).device
@@ -138,3 +138,92 @@ def predict(model: VisionTransformer, paths: list[str | os.PathLike], k: int = 5
         top = probs.topk(min(k, len(probs)))
         out.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Few-shot linear evaluation (paper Sec. 4.1 "Metrics"): frozen features, regularised least squares.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FewShotResult:
+    """Test accuracy of the least-squares classifier for each number of shots per class, one per draw."""
+
+    per_draw: dict[int, list[float]]
+
+    @property
+    def accuracy(self) -> dict[int, float]:
+        """Mean over draws, by shots."""
+        return {k: sum(v) / len(v) for k, v in self.per_draw.items()}
+
+
+@torch.no_grad()
+def features(model: Model, dataset: LabelledDataset, indices: list[int], batch_size: int = 500) -> torch.Tensor:
+    """The frozen representation the head sees (the ViT's pre-logits, the ResNet's pooled features), (n, D)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    out = []
+    for images, _ in batches(dataset, chunks):
+        x = eval_batch(images, model.config.image_size, model.config.in_chans).to(device)
+        out.append(model.forward_head(model.forward_features(x), pre_logits=True).double().cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 0, dtype=torch.float64)
+
+
+def least_squares_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float) -> torch.Tensor:
+    """W minimising ||[x, 1] W - T||^2 + l2 ||W||^2, with T the {-1, 1} one-hot targets: (D+1, K), in float64."""
+    x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    targets = 2.0 * F.one_hot(y, num_classes).to(x.dtype) - 1.0
+    gram = x1.T @ x1 + l2 * torch.eye(x1.shape[1], dtype=x.dtype)
+    return torch.linalg.solve(gram, x1.T @ targets)
+
+
+def least_squares_predict(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1) @ w).argmax(1)
+
+
+def fewshot(
+    model: Model,
+    train_set: LabelledDataset,
+    test_set: LabelledDataset,
+    shots: tuple[int, ...] = (1, 5, 10),
+    draws: int = 5,
+    l2: float = 1.0,
+    seed: int = 0,
+    max_test: int | None = None,
+) -> FewShotResult:
+    """Few-shot linear evaluation as in the paper: for each `shots` and each of `draws` random draws of that many
+    training images per class, fit a closed-form regularised least-squares map from the frozen features onto
+    {-1, 1} targets, and measure its accuracy on the test split (its first `max_test` images when given).
+    Deterministic for a seed."""
+    labels = _labels(train_set)
+    num_classes = len(train_set.classes)
+    by_class = [torch.nonzero(labels == c).flatten().tolist() for c in range(num_classes)]
+    fewest = min(len(members) for members in by_class)
+    if not shots or min(shots) < 1 or max(shots) > fewest or draws < 1:
+        raise ValueError(
+            f"shots={tuple(shots)}, draws={draws}: need 1 <= shots <= {fewest} (the rarest class's training images) "
+            "and draws >= 1."
+        )
+    generator = torch.Generator().manual_seed(seed)
+    chosen: dict[tuple[int, int], list[int]] = {}
+    for k in shots:
+        for d in range(draws):
+            chosen[k, d] = [m[i] for m in by_class for i in torch.randperm(len(m), generator=generator)[:k].tolist()]
+    needed = sorted({i for idx in chosen.values() for i in idx})
+    train_x = dict(zip(needed, features(model, train_set, needed)))
+    test_idx = list(range(len(test_set) if max_test is None else min(max_test, len(test_set))))
+    test_x, test_y = features(model, test_set, test_idx), _labels(test_set)[test_idx]
+    per_draw: dict[int, list[float]] = {k: [] for k in shots}
+    for (k, _), idx in chosen.items():
+        w = least_squares_fit(torch.stack([train_x[i] for i in idx]), labels[idx], num_classes, l2)
+        per_draw[k].append(float((least_squares_predict(w, test_x) == test_y).double().mean()))
+    return FewShotResult(per_draw)
+
+
+def _labels(dataset: LabelledDataset) -> torch.Tensor:
+    if isinstance(dataset, ImageArrayDataset):
+        return dataset.labels
+    return torch.tensor([dataset[i][1] for i in range(len(dataset))], dtype=torch.long)

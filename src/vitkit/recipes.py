@@ -61,6 +61,7 @@ class TrainConfig:
     flip: bool | None = None  # random horizontal flip; None: the dataset's default (off for digits)
     randaugment: tuple[int, int] | None = None  # (ops, magnitude), e.g. (2, 15)
     mixup: float = 0.0  # Beta(alpha, alpha); 0 = off
+    train_images: int | None = None  # train on a fixed random subset of this many images (data-scaling studies)
     workers: int = 0  # DataLoader worker processes for datasets decoded on the fly (image folders)
     # model
     model: str = "ViT-Ti/4"
@@ -112,6 +113,8 @@ class TrainConfig:
             )
         if (self.steps is not None and self.steps < 1) or self.epochs <= 0:
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: train for at least one step.")
+        if self.train_images is not None and self.train_images < 1:
+            raise ValueError(f"train_images={self.train_images}: give a positive number of images, or None for all.")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1).")
         if self.grad_clip < 0:

@@ -27,14 +27,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
+from .architectures import Model, config_from_dict, create_model, model_from_config
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_checkpoint
-from .config import ViTConfig, decode_variant
-from .data import ImageArrayDataset, dataset_augmentation, get_dataset
+from .config import ViTConfig
+from .data import ImageArrayDataset, dataset_augmentation, get_dataset, subset
 from .distributed import World, all_gather_tensors, any_process, barrier, close_world, init_world
 from .efficiency import count_params
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
-from .model import VisionTransformer
 from .recipes import TrainConfig, build_optimizer, learning_rate, set_trainable
 from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
 
@@ -62,10 +62,13 @@ def load_datasets(config: TrainConfig):
     kwargs = dict(config.data_args)
     if config.data_dir is not None:
         kwargs["data_dir"] = config.data_dir
-    return get_dataset(config.data, "train", **kwargs), get_dataset(config.data, "test", **kwargs)
+    train_set = get_dataset(config.data, "train", **kwargs)
+    if config.train_images is not None:
+        train_set = subset(train_set, config.train_images)
+    return train_set, get_dataset(config.data, "test", **kwargs)
 
 
-def initial_model(config: TrainConfig, dataset) -> VisionTransformer:
+def initial_model(config: TrainConfig, dataset) -> Model:
     """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
     the new resolution, a new zero-initialised head)."""
     num_classes = len(dataset.classes)
@@ -82,9 +85,7 @@ def initial_model(config: TrainConfig, dataset) -> VisionTransformer:
         # The dataset's own resolution when it has one (in-memory splits, shapes); 224 for image folders.
         native = tuple(dataset.images.shape[-2:]) if isinstance(dataset, ImageArrayDataset) else None
         size = config.image_size or native or getattr(dataset, "image_size", 224)
-        model = VisionTransformer(
-            decode_variant(config.model, image_size=size, num_classes=num_classes, **config.model_args)
-        )
+        model = create_model(config.model, image_size=size, num_classes=num_classes, **config.model_args)
     model.class_names = list(dataset.classes)
     return model
 
@@ -294,7 +295,7 @@ class TrainState:
     world: World
     plan: StepPlan
     augment: AugmentConfig
-    model: VisionTransformer
+    model: Model
     net: torch.nn.Module  # the model, or its DistributedDataParallel wrapper when there are several processes
     optimizer: torch.optim.Optimizer
     run: RunDir
@@ -304,14 +305,14 @@ class TrainState:
     window: MetricsWindow = field(default_factory=MetricsWindow)
 
 
-def saved_model(saved: dict, dataset) -> VisionTransformer:
+def saved_model(saved: dict, dataset) -> Model:
     """The architecture of a saved run, named with the dataset's classes; `restore` loads its weights."""
-    model = VisionTransformer(ViTConfig.from_dict(json.loads(saved["model_config"])))
+    model = model_from_config(config_from_dict(json.loads(saved["model_config"])))
     model.class_names = list(dataset.classes)
     return model
 
 
-def data_parallel(model: VisionTransformer, world: World) -> torch.nn.Module:
+def data_parallel(model: Model, world: World) -> torch.nn.Module:
     """The model wrapped by DistributedDataParallel (gradients all-reduced in backward) when there are several
     processes; the model itself otherwise."""
     if world.size == 1:
@@ -462,7 +463,7 @@ def finish(state: TrainState, final: EvalResult | None, interrupted: bool, start
     return result
 
 
-def summary_dict(result: TrainResult, config: TrainConfig, model: VisionTransformer) -> dict:
+def summary_dict(result: TrainResult, config: TrainConfig, model: Model) -> dict:
     return {
         "run_dir": str(result.run_dir),
         "data": config.data,
@@ -479,14 +480,15 @@ def summary_dict(result: TrainResult, config: TrainConfig, model: VisionTransfor
     }
 
 
-def format_summary(result: TrainResult, config: TrainConfig, model: VisionTransformer) -> str:
+def format_summary(result: TrainResult, config: TrainConfig, model: Model) -> str:
     """The one-screen summary printed at the end of a run."""
     c = model.config
+    shape = f"patch {c.patch_size[0]}, D={c.hidden_size}, L={c.num_layers}" if isinstance(c, ViTConfig) else c.name
     lines = [
         "=" * 72,
         f"run        {result.run_dir}",
         f"data       {config.data}   model {config.checkpoint or config.model} {c.image_size[0]}x{c.image_size[1]}, "
-        f"patch {c.patch_size[0]}, D={c.hidden_size}, L={c.num_layers}, {count_params(c):,} params",
+        f"{shape}, {count_params(c):,} params",
         f"recipe     {config.optimizer} lr {config.lr:g}, wd {config.weight_decay:g}, batch {config.batch_size}, "
         f"{config.schedule}, warmup {config.warmup_fraction:g}, trainable={config.trainable}, {config.precision}",
         f"steps      {result.step}/{result.total_steps} in {result.seconds / 60:.1f} min of training, "

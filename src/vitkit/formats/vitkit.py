@@ -11,9 +11,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..config import ViTConfig
+from ..architectures import Model, config_from_dict, model_from_config
 from ..files import atomic_write, read_safetensors, safetensors_metadata
-from ..model import VisionTransformer
 
 NAME = "vitkit"
 
@@ -25,7 +24,7 @@ def detect(path: Path) -> bool:
     return (safetensors_metadata(path) or {}).get("format") == NAME
 
 
-def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
+def load(path: str | os.PathLike, image_size=None, **overrides) -> Model:
     """The model written by `export`, in eval mode; `overrides` change config fields that hold no weights
     (e.g. `drop_path_rate`). `image_size` is recorded in the file: resampling is `checkpoints.adapt`'s job."""
     if not Path(path).is_file():
@@ -36,15 +35,15 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
             f"{path}: a safetensors file without vitkit metadata. For timm weights use "
             "vitkit.load_checkpoint(path, format='timm')."
         )
-    config = ViTConfig.from_dict(json.loads(metadata["config"]))
-    model = VisionTransformer(config.replace(**overrides) if overrides else config)
+    config = config_from_dict(json.loads(metadata["config"]))
+    model = model_from_config(config.replace(**overrides) if overrides else config)
     model.load_state_dict(tensors, strict=True)
     if "class_names" in metadata:
         model.class_names = json.loads(metadata["class_names"])
     return model.eval()
 
 
-def export(model: VisionTransformer, path: str | os.PathLike) -> None:
+def export(model: Model, path: str | os.PathLike) -> None:
     """Write `model` to a vitkit safetensors file (atomically), config and class names in the metadata."""
     metadata = {"format": NAME, "config": json.dumps(model.config.to_dict())}
     if model.class_names is not None:
