@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 
 from . import formats
+from .architectures import Model
 from .model import VisionTransformer
 
 
 def adapt(
-    model: VisionTransformer,
+    model: Model,
     image_size: int | tuple[int, int] | None = None,
     num_classes: int | None = None,
     keep_pre_logits: bool = False,
-) -> VisionTransformer:
+) -> Model:
     """Prepare a loaded model for a new task as the paper does: resample the posemb to `image_size` (bilinear,
     aligned corners) and, when `num_classes` differs, a new zero-initialised head (pre-logits dropped)."""
     if image_size is not None:
@@ -31,7 +32,7 @@ def load_checkpoint(
     image_size: int | tuple[int, int] | None = None,
     num_classes: int | None = None,
     **overrides,
-) -> VisionTransformer:
+) -> Model:
     """Load a checkpoint of any supported format into a ready model (eval mode), adapted to `image_size` /
     `num_classes`.
 
@@ -44,7 +45,7 @@ def load_checkpoint(
     return adapt(model, image_size, num_classes)
 
 
-def export(model: VisionTransformer, path: str | os.PathLike, format: str = "vitkit") -> None:
+def export(model: Model, path: str | os.PathLike, format: str = "vitkit") -> None:
     """Write `model` in `format` (atomically): "vitkit" (a file), "hf" (a directory), "timm" (a safetensors
     state dict) or "npz" (the official layout). Class names travel in vitkit and timm metadata and in Hugging
     Face's id2label. A BiT ResNet baseline is written in vitkit's format only."""

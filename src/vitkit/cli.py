@@ -9,6 +9,7 @@ import sys
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
+from .model import VisionTransformer
 from .recipes import FINETUNE_DEFAULTS, TrainConfig, field_types
 
 
@@ -32,7 +33,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model = load_checkpoint(args.src, format=args.format)
     export(model, args.dst, format=args.to)
     c = model.config
-    shape = f"{c.num_layers} layers, D={c.hidden_size}, {c.num_heads} heads, patch {c.patch_size}, {c.image_size} px"
+    if isinstance(c, cfg.ViTConfig):
+        shape = f"{c.num_layers} layers, D={c.hidden_size}, {c.num_heads} heads, patch {c.patch_size}"
+        shape += f", {c.image_size} px"
+    else:
+        shape = f"{c.name}, {c.image_size} px"
     print(f"{args.src} -> {args.dst} ({args.to}): {shape}, {c.num_classes} classes")
     return 0
 
@@ -42,6 +47,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .report import dataset_samples, load_images, write_report
 
     model = load_checkpoint(args.checkpoint)
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"{args.checkpoint} holds a {type(model).__name__}: the analysis figures are a ViT's.")
     if args.image:
         samples = load_images(args.image, model)
     else:
@@ -83,11 +90,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     dataset = get_dataset(args.data, args.split, **kwargs)
     if args.fewshot:
         shots = _shots(args.fewshot)
-        result = fewshot(model, get_dataset(args.data, "train", **kwargs), dataset, shots, args.draws, args.l2,
-                         args.seed)  # fmt: skip
+        few = fewshot(model, get_dataset(args.data, "train", **kwargs), dataset, shots, args.draws, args.l2, args.seed)
         print(f"{args.checkpoint} on {args.data} ({args.split}): few-shot linear accuracy, {args.draws} draws")
-        for k, acc in result.accuracy.items():
-            spread = _std(result.per_draw[k])
+        for k, acc in few.accuracy.items():
+            spread = _std(few.per_draw[k])
             print(f"  {k:>3}-shot  {100 * acc:6.2f}%  (+- {100 * spread:.2f} over draws)")
         return 0
     if len(dataset.classes) != model.config.num_classes:
@@ -131,8 +137,12 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     """Run one of the paper's experiments (resumable) and write its results JSON, table and plot."""
     from .experiments import experiment
 
-    result = experiment(args.name, preset=args.preset, seeds=args.seeds, out=args.out, checkpoint=args.checkpoint,
-                        threads=args.threads)  # fmt: skip
+    try:
+        result = experiment(args.name, preset=args.preset, seeds=args.seeds, out=args.out,
+                            checkpoint=args.checkpoint, threads=args.threads)  # fmt: skip
+    except KeyboardInterrupt as e:
+        print(f"vitkit experiment: interrupted ({e or 'Ctrl-C'}); finished runs are kept.", file=sys.stderr)
+        return 130
     print(result.files["table"].read_text())
     print(f"{result.trained} training run(s) and {result.measured} measurement(s) done in {result.seconds / 60:.1f} "
           f"min; wrote {', '.join(str(p) for p in result.files.values())}")  # fmt: skip

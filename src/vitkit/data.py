@@ -443,7 +443,7 @@ def subset(dataset: LabelledDataset, size: int, seed: int = 0) -> ImageArrayData
         samples = [dataset[i] for i in order.tolist()]
         images, labels = torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
     out = ImageArrayDataset(images, labels, dataset.classes)
-    out.crop_scale, out.flip = dataset_augmentation(dataset)  # type: ignore[assignment]
+    out.crop_scale, out.flip = dataset_augmentation(dataset)  # type: ignore[arg-type]
     return out
 
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from .architectures import Model, create_model
 from .checkpoints import export, load_checkpoint
+from .config import ViTConfig
 from .efficiency import count_params, flops
 from .files import atomic_write
 from .recipes import SMALL_MODEL_ARGS, TrainConfig, set_trainable
@@ -149,6 +150,8 @@ def _from_checkpoint(s: Setting, seed: int, **fields: Any) -> dict[str, Any]:
 def _checkpoint_architecture(s: Setting) -> dict[str, Any]:
     """`model`/`model_args` that build the checkpoint's architecture from scratch."""
     c = load_checkpoint(s.checkpoint).config
+    if not isinstance(c, ViTConfig):
+        raise ValueError(f"checkpoint {s.checkpoint} holds a {type(c).__name__}: these experiments need a ViT.")
     fields = ("hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb", "qkv_bias",
               "representation_size", "hybrid")  # fmt: skip
     args = {f: getattr(c, f) for f in fields}
@@ -344,7 +347,7 @@ def experiment(
         records.append(execute(run, p, out / "runs", threads, counts))
     bar.close()
     exp_dir = out / name
-    summary = {
+    summary: dict[str, Any] = {
         "experiment": name,
         "title": exp.title,
         "claim": exp.claim,
@@ -385,6 +388,8 @@ def execute(run: Run, preset: Preset, runs_dir: Path, threads: int, counts: dict
         config = TrainConfig.from_dict({**run.train, "out_dir": str(run_dir), "threads": threads})
         if not _finished(run_dir):
             train_quietly(config, run_dir)
+            if not _finished(run_dir):
+                raise KeyboardInterrupt(f"stopped during the training in {run_dir}: run the same command to continue")
             counts["trained"] += 1
         summary = json.loads((run_dir / "summary.json").read_text())
         record["train_seconds"] = summary["train_seconds"]
@@ -470,8 +475,7 @@ def table_rows(exp: Experiment, records: list[dict[str, Any]]) -> list[dict[str,
     standard deviation over seeds) and seed count, with the model's parameters and GFLOPs."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
-        point = {k: v for k, v in r["labels"].items() if k != "seed"}
-        groups.setdefault(json.dumps(point), []).append(r)
+        groups.setdefault(json.dumps({k: v for k, v in r["labels"].items() if k != "seed"}), []).append(r)
     rows = []
     for point, members in groups.items():
         row: dict[str, Any] = {"labels": json.loads(point), "seeds": len(members), "model": members[0]["model"],
