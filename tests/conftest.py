@@ -7,7 +7,7 @@ import torch
 # Two cores: keep torch from oversubscribing them, and make every test deterministic.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "official_jax"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_jax"
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +17,6 @@ def _seed():
 
 @pytest.fixture
 def fixtures_dir() -> Path:
-    """The official JAX reference outputs in ../shared/fixtures (see its README)."""
-    if not FIXTURES.is_dir():
-        pytest.fail(f"official fixtures not found at {FIXTURES}: the shared/ folder must sit beside the checkout")
+    """The official JAX reference outputs committed in tests/fixtures/official_jax (see its README)."""
+    assert FIXTURES.is_dir(), f"official fixtures missing at {FIXTURES}: they are part of the repository"
     return FIXTURES

@@ -1,4 +1,4 @@
-"""Official ViT and big_vision `.npz` checkpoints against the official JAX outputs in shared/fixtures."""
+"""Official ViT and big_vision `.npz` checkpoints against the official JAX outputs in tests/fixtures."""
 
 import numpy as np
 import pytest
