@@ -8,15 +8,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import vitkit
+from conftest import tiny
 from shapes_vit import held_out_shapes, trained_shapes_vit
 from vitkit import inspect as vi
 from vitkit.model import VisionTransformer
-
-
-def tiny(**kwargs) -> VisionTransformer:
-    spec = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=5)
-    spec.update(kwargs)
-    return VisionTransformer(vitkit.ViTConfig(**spec)).eval()
 
 
 def fixed_attention(model: VisionTransformer, self_logit: float) -> VisionTransformer:

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 import vitkit
+from conftest import tiny
 from shapes_vit import trained_shapes_vit
 from vitkit import inspect as vi
 from vitkit.cli import main
@@ -44,12 +45,6 @@ def embedded_pngs(html: str) -> list[Image.Image]:
         assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50, "a blank or near-blank figure"
         images.append(image)
     return images
-
-
-def tiny(**kwargs) -> VisionTransformer:
-    spec = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, num_classes=3)
-    spec.update(kwargs)
-    return VisionTransformer(vitkit.ViTConfig(**spec)).eval()
 
 
 def test_inspect_cli_on_a_trained_model_writes_a_self_contained_report(tmp_path, capsys):

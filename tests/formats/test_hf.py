@@ -8,6 +8,7 @@ from transformers import ViTConfig as HFConfig
 from transformers import ViTForImageClassification, ViTModel
 
 import vitkit
+from conftest import perturbed
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
@@ -18,14 +19,6 @@ CASES = {
     "non_square_no_qkv_bias": dict(image_size=(32, 48), qkv_bias=False, layer_norm_eps=1e-6),
     "no_labels": dict(num_labels=0),
 }
-
-
-def perturbed(model: torch.nn.Module) -> torch.nn.Module:
-    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
 
 
 def image(config) -> torch.Tensor:
