@@ -127,6 +127,7 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
+@pytest.mark.slow
 def test_convert_cli_turns_official_npz_into_each_format(tmp_path, fixtures_dir, capsys):
     src = fixtures_dir / "vit_tiny_token_params.npz"
     reference = vitkit.load_checkpoint(src)

@@ -185,6 +185,7 @@ def shapes_maps():
     return vi.localisation(rollout, samples.boxes), vi.localisation(occlusion, samples.boxes)
 
 
+@pytest.mark.slow
 def test_trained_vit_rollout_peaks_inside_the_object_box_far_above_chance(shapes_maps):
     rollout, _ = shapes_maps
     # Measured: peak inside the box for 0.82 of 40 test images, positive mass 0.33; chance (box area) 0.16.
@@ -193,6 +194,7 @@ def test_trained_vit_rollout_peaks_inside_the_object_box_far_above_chance(shapes
     assert rollout.mass_inside > 1.5 * rollout.chance
 
 
+@pytest.mark.slow
 def test_trained_vit_occlusion_peaks_inside_the_object_box_above_chance(shapes_maps):
     _, occlusion = shapes_maps
     # Measured: peak inside the box for 0.85 of 40 test images, positive mass 0.60; chance (box area) 0.16.

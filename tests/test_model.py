@@ -10,8 +10,11 @@ from conftest import tiny
 from vitkit.config import POSEMBS, decode_variant
 from vitkit.model import RelativePosemb, VisionTransformer
 
+# Even on the meta device a ResNet stem or a ViT-H takes seconds.
+VARIANTS = [pytest.param(n, marks=pytest.mark.slow) if "+" in n or "-H/" in n else n for n in vitkit.list_models()]
 
-@pytest.mark.parametrize("name", vitkit.list_models())
+
+@pytest.mark.parametrize("name", VARIANTS)
 def test_every_variant_builds_and_runs_forward_shapes(name):
     config = decode_variant(name, num_classes=10)
     small = config.replace(image_size=config.patch_stride[0] * 2)
@@ -24,6 +27,7 @@ def test_every_variant_builds_and_runs_forward_shapes(name):
 
 
 @pytest.mark.parametrize("name", ["ViT-Ti/16", "ViT-S/32", "ViT-B/16", "R50+ViT-B/16"])
+@pytest.mark.slow
 def test_real_variants_give_finite_logits(name):
     model = vitkit.create_model(name, image_size=32 if "R50" not in name else 64, num_classes=10).eval()
     with torch.no_grad():
@@ -156,6 +160,7 @@ def test_saved_files_get_the_usual_permissions_not_private_ones(tmp_path):
     assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_hybrid_save_load_round_trip(tmp_path):
     model = vitkit.create_model("R50+ViT-B/16", image_size=32, num_layers=1, num_classes=3).eval()
     vitkit.save(model, tmp_path / "h.safetensors")
