@@ -113,7 +113,8 @@ def test_report_explains_figures_a_model_cannot_have(tmp_path):
 def test_report_captions_name_the_query_the_maps_come_from(tmp_path, classifier):
     html = write_report(tiny(classifier=classifier), Samples(torch.zeros(1, 3, 32, 32), ["grey"]), tmp_path).read_text()
     assert (html_escape(vi.GAP_QUERY) in html) == (classifier == "gap")
-    assert "attention carries information from the patches to the class token" in html or classifier == "gap"
+    query = vi.CLS_QUERY if classifier == "token" else vi.GAP_QUERY
+    assert f"attention carries information from the patches to {html_escape(query)}" in html
 
 
 def test_dataset_samples_scale_object_boxes_to_a_non_square_model():
