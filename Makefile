@@ -35,3 +35,4 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
