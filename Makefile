@@ -28,7 +28,7 @@ demo: setup data
 test: setup
 	$(PY) -m pytest
 
-# Everything but the tests marked slow (training runs, the trained-model reports, big variants): about 1.5 min.
+# Everything but the tests marked slow (training runs, the trained-model reports, big variants): under a minute of CPU.
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
