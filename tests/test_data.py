@@ -215,3 +215,17 @@ def test_image_folder_without_split_dirs_holds_out_a_deterministic_fraction(tmp_
     assert not {p for p, _ in train.samples} & {p for p, _ in test.samples}
     again = get_dataset("imagefolder", "test", data_dir=tmp_path, val_fraction=0.4)
     assert again.samples == test.samples
+
+
+def test_subset_is_a_fixed_sample_that_keeps_classes_and_augmentation():
+    from vitkit.data import subset
+
+    shapes = get_dataset("shapes", "train", size=40, image_size=16)
+    a, b = subset(shapes, 12), subset(shapes, 12)
+    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels) and len(a) == 12
+    assert not torch.equal(subset(shapes, 12, seed=1).images, a.images)  # another seed, another sample
+    first = a.images[0]
+    assert any(torch.equal(first, shapes[i][0]) for i in range(40))  # real samples of the split
+    assert a.classes == shapes.classes and (a.crop_scale, a.flip) == (shapes.crop_scale, shapes.flip)
+    with pytest.raises(ValueError, match="choose 1 to 40"):
+        subset(shapes, 41)
