@@ -45,3 +45,18 @@ def test_every_tiny_experiment_writes_results_and_a_second_call_trains_nothing(t
     capsys.readouterr()
     assert main(["experiment", "data-scaling", "--preset", "tiny", "--out", str(tmp_path), "--threads", "1"]) == 0
     assert "0 training run(s) and 0 measurement(s)" in capsys.readouterr().out
+
+
+def test_from_scratch_runs_build_the_checkpoints_own_architecture(tmp_path):
+    import vitkit
+    from vitkit.data import get_dataset
+    from vitkit.experiments import PRESETS, Setting, _checkpoint_architecture
+    from vitkit.recipes import TrainConfig
+    from vitkit.training import initial_model
+
+    pre = vitkit.create_model("ViT-S/14", image_size=28, num_classes=0, hidden_size=32, num_layers=1, mlp_dim=32,
+                              num_heads=2, layer_scale_init=1e-5, posemb="learn2d")  # fmt: skip
+    vitkit.export(pre, tmp_path / "pre.safetensors")
+    arch = _checkpoint_architecture(Setting(PRESETS["tiny"], 1, str(tmp_path / "pre.safetensors")))
+    scratch = initial_model(TrainConfig(data="shapes", image_size=28, **arch), get_dataset("shapes", size=8))
+    assert scratch.config.replace(num_classes=0) == pre.config

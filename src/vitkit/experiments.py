@@ -153,7 +153,7 @@ def _checkpoint_architecture(s: Setting) -> dict[str, Any]:
     if not isinstance(c, ViTConfig):
         raise ValueError(f"checkpoint {s.checkpoint} holds a {type(c).__name__}: these experiments need a ViT.")
     fields = ("hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb", "qkv_bias",
-              "representation_size", "hybrid")  # fmt: skip
+              "representation_size", "hybrid", "layer_scale_init", "act", "layer_norm_eps", "in_chans")  # fmt: skip
     args = {f: getattr(c, f) for f in fields}
     args["patch_size"] = list(args["patch_size"])
     args["hybrid"] = c.hybrid and {"units": list(c.hybrid.units), "width_factor": c.hybrid.width_factor}
