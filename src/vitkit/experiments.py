@@ -142,8 +142,7 @@ def _scratch(s: Setting, arch: dict[str, Any], seed: int, **fields: Any) -> dict
 
 def _from_checkpoint(s: Setting, seed: int, **fields: Any) -> dict[str, Any]:
     """TrainConfig fields of a fine-tuning run from the pre-trained checkpoint (official SGD recipe)."""
-    base = {k: v for k, v in s.preset.base.items()}
-    return {**base, "checkpoint": s.checkpoint, "model_args": {}, "optimizer": "sgd", "lr": 0.01, "weight_decay": 0.0,
+    return {**s.preset.base, "checkpoint": s.checkpoint, "model_args": {}, "optimizer": "sgd", "lr": 0.01, "weight_decay": 0.0,
             "seed": seed, **s.preset.pretrained_train, **fields}  # fmt: skip
 
 
@@ -355,6 +354,7 @@ def experiment(
         "seeds": seeds,
         "checkpoint": checkpoint,
         "command": f"vitkit experiment {name} --preset {preset} --seeds {seeds}",
+        "train_seconds": sum(r.get("train_seconds", 0.0) for r in records),  # over every run and session
         "records": records,
         "table": table_rows(exp, records),
     }
