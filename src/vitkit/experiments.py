@@ -142,8 +142,9 @@ def _scratch(s: Setting, arch: dict[str, Any], seed: int, **fields: Any) -> dict
 
 def _from_checkpoint(s: Setting, seed: int, **fields: Any) -> dict[str, Any]:
     """TrainConfig fields of a fine-tuning run from the pre-trained checkpoint (official SGD recipe)."""
-    return {**s.preset.base, "checkpoint": s.checkpoint, "model_args": {}, "optimizer": "sgd", "lr": 0.01, "weight_decay": 0.0,
-            "seed": seed, **s.preset.pretrained_train, **fields}  # fmt: skip
+    recipe = {"optimizer": "sgd", "lr": 0.01, "weight_decay": 0.0}
+    return {**s.preset.base, "checkpoint": s.checkpoint, "model_args": {}, **recipe, "seed": seed,
+            **s.preset.pretrained_train, **fields}  # fmt: skip
 
 
 def _checkpoint_architecture(s: Setting) -> dict[str, Any]:
