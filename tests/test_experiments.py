@@ -60,3 +60,9 @@ def test_from_scratch_runs_build_the_checkpoints_own_architecture(tmp_path):
     arch = _checkpoint_architecture(Setting(PRESETS["tiny"], 1, str(tmp_path / "pre.safetensors")))
     scratch = initial_model(TrainConfig(data="shapes", image_size=28, **arch), get_dataset("shapes", size=8))
     assert scratch.config.replace(num_classes=0) == pre.config
+
+
+def test_a_missing_pretrained_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    args = ["experiment", "pretraining", "--preset", "tiny", "--checkpoint", str(tmp_path / "nope.safetensors")]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    assert "give --checkpoint FILE" in capsys.readouterr().err

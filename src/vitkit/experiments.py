@@ -339,7 +339,13 @@ def experiment(
     out.mkdir(parents=True, exist_ok=True)
     if checkpoint is None:
         checkpoint = stand_in_checkpoint(out, p) if preset == "tiny" else PRETRAINED
-    runs = exp.runs(Setting(p, seeds, checkpoint))
+    try:
+        runs = exp.runs(Setting(p, seeds, checkpoint))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"{e} The {name} experiment starts from a pre-trained ViT: give --checkpoint FILE (any format "
+            f"load_checkpoint reads, or a name it resolves such as {PRETRAINED!r}), or use --preset tiny."
+        ) from e
     records, counts = [], {"trained": 0, "measured": 0}
     bar = tqdm(runs, desc=f"{name} ({preset})", unit="run", disable=not progress, dynamic_ncols=True)
     for run in bar:
