@@ -6,24 +6,34 @@ import argparse
 import json
 import sys
 
+from . import __version__
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
-from .recipes import FINETUNE_DEFAULTS, TrainConfig, field_types
+from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, field_help, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    """Print the paper's Table 1 for every named variant, with parameters and GFLOPs at a resolution."""
+    """Print the paper's Table 1 for every named variant, with parameters and GFLOPs at a resolution; a variant
+    whose patch stride does not divide it is listed with the nearest resolutions that it does."""
     header = f"{'model':<16}{'layers':>7}{'hidden':>8}{'MLP':>7}{'heads':>7}{'params':>14}{'GFLOPs':>9}"
     print(f"Variants at {args.image_size} px, {args.num_classes} classes (GFLOPs: multiply-add = 2)")
     print(header)
     print("-" * len(header))
+    unfit = 0
     for name in cfg.list_models():
-        c = cfg.decode_variant(name, image_size=args.image_size, num_classes=args.num_classes)
-        print(
-            f"{name:<16}{c.num_layers:>7}{c.hidden_size:>8}{c.mlp_dim:>7}{c.num_heads:>7}"
-            f"{count_params(c):>14,}{flops(c) / 1e9:>9.1f}"
-        )
+        c = cfg.decode_variant(name, num_classes=args.num_classes)
+        row = f"{name:<16}{c.num_layers:>7}{c.hidden_size:>8}{c.mlp_dim:>7}{c.num_heads:>7}"
+        stride = c.patch_stride[0]
+        if args.image_size % stride:
+            unfit += 1
+            below = max(args.image_size // stride, 1) * stride
+            print(f"{row}   * not at {args.image_size} px (patch stride {stride}): nearest {below} or {below + stride}")
+            continue
+        c = c.replace(image_size=args.image_size)
+        print(f"{row}{count_params(c):>14,}{flops(c) / 1e9:>9.1f}")
+    if unfit:
+        print(f"* {unfit} variant(s) need a resolution that is a multiple of their patch stride.")
     return 0
 
 
@@ -66,9 +76,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import train
 
     if args.resume:
-        result = train(resume=args.resume)
+        changes = {name: getattr(args, name) for name in field_types() if hasattr(args, name)}
+        if args.config:
+            raise ValueError(f"--config {args.config} with --resume: a resumed run keeps its saved config.")
+        result = train(resume=args.resume, changes=changes)
     else:
-        result = train(_train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {}))
+        config = _train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {})
+        if args.command == "finetune" and config.checkpoint is None:
+            raise ValueError(
+                "finetune needs --checkpoint MODEL, the pre-trained weights to start from; to train from random "
+                "weights use `vitkit train` (add --optimizer sgd --lr 0.01 for the fine-tuning recipe)."
+            )
+        result = train(config)
     return 130 if result.interrupted else 0
 
 
@@ -101,25 +120,40 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_train_options(p: argparse.ArgumentParser) -> None:
-    """One --option per TrainConfig field (dashes for underscores); unset options keep the config's value."""
+def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
+    """One --option per TrainConfig field (dashes for underscores), described by the field's own help and
+    choices, with this command's defaults (TrainConfig's, with `preset` on top); unset options keep the value."""
     p.add_argument("--config", help="YAML or JSON file of TrainConfig fields (options given here override it)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR exactly")
-    defaults = TrainConfig()
+    safe = ", ".join("--" + n.replace("_", "-") for n in RESUMABLE)
+    text = f"continue the run saved in RUN_DIR exactly; with it only {safe} may be given"
+    p.add_argument("--resume", metavar="RUN_DIR", help=text)
+    defaults = TrainConfig(**preset)
     for name, kind in field_types().items():
         flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
-        text = f"(default {default!r})"
+        text, choices = field_help(name)
+        if choices:
+            text += f" ({'|'.join(choices)})"
+        if default is not None:
+            shown = " ".join(map(str, default)) if isinstance(default, tuple) else _shown(default)
+            text += f"; default {shown}"
+        common = dict(dest=name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if kind in (dict, dict | None):
-            p.add_argument(flag, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
-                           help=f"{text}")  # fmt: skip
+            p.add_argument(flag, type=_mapping, metavar="K=V,...", **common)
         elif kind in (bool, bool | None):
-            p.add_argument(flag, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
+            p.add_argument(flag, type=_boolean, metavar="true|false", **common)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
             item = int if kind == tuple[int, int] | None else float
-            p.add_argument(flag, dest=name, type=item, nargs=2, default=argparse.SUPPRESS, help=text)
+            p.add_argument(flag, type=item, nargs=2, metavar=("A", "B"), **common)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
-            p.add_argument(flag, dest=name, type=item, default=argparse.SUPPRESS, help=text)
+            p.add_argument(flag, type=item, choices=choices, metavar=name.upper(), **common)
+
+
+def _shown(value) -> str:
+    """A default as the user would type it: model_args as K=V pairs, numbers without needless digits."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items()) or "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _mapping(text: str) -> dict:
@@ -146,6 +180,7 @@ def _boolean(text: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    parser.add_argument("--version", action="version", version=f"vitkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("models", help="table of the model variants (paper Table 1) with params and GFLOPs")
@@ -171,10 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
-    _add_train_options(p)
+    _add_train_options(p, {})
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("finetune", help="fine-tune --checkpoint with the official recipe (SGD, new head)")
-    _add_train_options(p)
+    _add_train_options(p, FINETUNE_DEFAULTS)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")

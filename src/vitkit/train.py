@@ -33,7 +33,7 @@ from .distributed import World, all_gather_tensors, any_process, barrier, close_
 from .efficiency import count_params
 from .evaluate import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
-from .recipes import TrainConfig, build_optimizer, freeze, learning_rate
+from .recipes import TrainConfig, build_optimizer, freeze, learning_rate, resume_changes
 from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
@@ -127,17 +127,23 @@ class StopRequest:
 
 
 def train(
-    config: TrainConfig | None = None, *, resume: str | Path | None = None, stop_after: int | None = None
+    config: TrainConfig | None = None,
+    *,
+    resume: str | Path | None = None,
+    changes: dict | None = None,
+    stop_after: int | None = None,
 ) -> TrainResult:
     """Run `config` (default: the main job), or continue the run saved in the directory `resume` with its own
-    config; returns how it ended. `stop_after` stops after that many steps in all, as an interruption would:
-    a checkpoint is saved."""
+    config, with `changes` to the fields `recipes.RESUMABLE` names (length, cadence); returns how it ended.
+    `stop_after` stops after that many steps in all, as an interruption would: a checkpoint is saved."""
     if config is not None and resume is not None:
         raise ValueError(f"give a config or resume={str(resume)!r}, not both: a resumed run keeps its saved config.")
+    if changes and resume is None:
+        raise ValueError("changes= applies to a resumed run: give resume=RUN_DIR, or put them in the config.")
     config = config or TrainConfig()
     saved = read_checkpoint(resume) if resume is not None else None
     if saved is not None:
-        config = TrainConfig.from_dict(json.loads(saved["config"]))
+        config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
         run_path = Path(resume)
     else:
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
