@@ -40,6 +40,8 @@ def save(model: VisionTransformer, path: str | os.PathLike) -> None:
     metadata = {"format": FORMAT, "config": json.dumps(model.config.to_dict())}
     if model.class_names is not None:
         metadata["class_names"] = json.dumps(list(model.class_names))
+    if getattr(model, "trained_on", None):
+        metadata["trained_on"] = json.dumps(model.trained_on)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
@@ -67,6 +69,8 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> V
     model.load_state_dict(tensors, strict=True)
     if "class_names" in metadata:
         model.class_names = json.loads(metadata["class_names"])
+    if "trained_on" in metadata:
+        model.trained_on = json.loads(metadata["trained_on"])
     return model.to(map_location).eval()
 
 
@@ -110,7 +114,7 @@ def load_checkpoint(
     if overrides:
         tuned = VisionTransformer(model.config.replace(**overrides))
         tuned.load_state_dict(model.state_dict(), strict=True)
-        tuned.class_names = model.class_names
+        tuned.class_names, tuned.trained_on = model.class_names, model.trained_on
         model = tuned.eval()
     return adapt(model, image_size, num_classes)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -10,7 +11,7 @@ from . import __version__
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
-from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, field_help, field_types
+from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -49,14 +50,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
-    from .report import dataset_samples, load_images, write_report
+    from .report import dataset_samples, load_images, occlusion_plan, write_report
 
-    model = load_checkpoint(args.checkpoint)
+    model = _placed(load_checkpoint(args.checkpoint), args)
     if args.image:
         samples = load_images(args.image, model)
     else:
         samples = dataset_samples(args.data, args.samples, model, split=args.split)
-    path = write_report(model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}")
+    samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
+    print(occlusion_plan(model, samples.images.shape[0], args.stride), flush=True)
+    path = write_report(
+        model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}", stride=args.stride, progress=True
+    )
     print(f"wrote {path} ({samples.images.shape[0]} image(s))")
     return 0
 
@@ -96,7 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import get_dataset
     from .evaluate import evaluate, format_eval
 
-    model = load_checkpoint(args.checkpoint)
+    model = _placed(load_checkpoint(args.checkpoint), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
     dataset = get_dataset(args.data, args.split, **kwargs)
     if len(dataset.classes) != model.config.num_classes:
@@ -104,7 +109,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
-    result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision)
+    result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
     return 0
@@ -112,12 +117,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
-    from .evaluate import predict
+    from .data import read_image
+    from .evaluate import image_files, input_notes, predict
 
-    model = load_checkpoint(args.checkpoint)
-    for path, top in zip(args.images, predict(model, args.images, args.top_k)):
+    model = _placed(load_checkpoint(args.checkpoint), args)
+    files = image_files(args.images)
+    for path, top in zip(files, predict(model, files, args.top_k, progress=True)):
         print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
+        for note in input_notes(model, read_image(path)):
+            print(f"  note: {note}")
     return 0
+
+
+def _add_execution_options(p: argparse.ArgumentParser) -> None:
+    """--device and --threads, described as TrainConfig describes them."""
+    p.add_argument("--device", default="auto", help=field_help("device")[0] + "; default auto")
+    p.add_argument("--threads", type=int, default=0, help=field_help("threads")[0] + "; default 0")
+
+
+def _placed(model, args: argparse.Namespace):
+    """The model on --device, with torch on --threads CPU threads."""
+    import torch
+
+    from .distributed import resolve_device
+
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return model.to(resolve_device(args.device))
 
 
 def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
@@ -203,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
     p.add_argument("--split", default="test", help="split of --data (default test)")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
+    p.add_argument(
+        "--stride", type=int, help="pixels between occlusion windows (default half a patch); doubling it quarters "
+        "the forward passes, which the command counts before it starts",
+    )  # fmt: skip
+    _add_execution_options(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
@@ -214,17 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
     p.add_argument("--checkpoint", required=True, help="model file (vitkit safetensors or any load_checkpoint format)")
-    p.add_argument("--data", default="fashion-mnist", help="dataset name (default fashion-mnist)")
-    p.add_argument("--data-dir", help="directory holding the dataset's files")
-    p.add_argument("--split", default="test", choices=("train", "test"))
-    p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    datasets = field_help("data")[1]
+    p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
+                   help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
+    p.add_argument("--data-dir", help=field_help("data_dir")[0])
+    p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")
+    p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help=field_help("precision")[0])
+    _add_execution_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
     p.add_argument("--checkpoint", required=True, help="model file with class names (as `vitkit train` saves)")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
+    _add_execution_options(p)
     p.set_defaults(func=cmd_predict)
     return parser
 

@@ -411,6 +411,19 @@ DATASETS = {
 }
 
 
+def describe(name: str, dataset: Dataset, probe: int = 8) -> dict:
+    """What a model trained on `dataset` has seen, for `predict` to notice inputs unlike it: the dataset's
+    `name`, whether its images are `grayscale` (one channel, or three equal ones) and their typical
+    `image_size` [H, W] (the first `probe` images' median, for datasets decoded from files)."""
+    if isinstance(dataset, ImageArrayDataset):
+        images = dataset.images[:probe]
+    else:
+        images = [dataset[i][0] for i in range(min(probe, len(dataset)))]
+    gray = all(im.shape[0] == 1 or bool((im == im[:1]).all()) for im in images)
+    sizes = sorted(tuple(im.shape[-2:]) for im in images)
+    return {"data": name, "grayscale": gray, "image_size": list(sizes[len(sizes) // 2])}
+
+
 def dataset_augmentation(dataset: Dataset) -> tuple[tuple[float, float], bool]:
     """The training augmentation a dataset asks for: (inception-crop area range, horizontal flip)."""
     return tuple(getattr(dataset, "crop_scale", (0.05, 1.0))), bool(getattr(dataset, "flip", True))

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import load_checkpoint, save
 from .config import ViTConfig, decode_variant
-from .data import ImageArrayDataset, dataset_augmentation, get_dataset
+from .data import ImageArrayDataset, dataset_augmentation, describe, get_dataset
 from .distributed import World, all_gather_tensors, any_process, barrier, close_world, init_world
 from .efficiency import count_params
 from .evaluate import EvalResult, autocast, batches, evaluate, format_eval
@@ -167,6 +167,7 @@ def _train(config: TrainConfig, world: World, run_path: Path, saved: dict | None
         model.class_names = list(train_set.classes)
     else:
         model = build_model(config, train_set)
+    model.trained_on = describe(config.data, train_set)
     learning = freeze(model, config.train)
     model.to(world.device)
     optimizer = build_optimizer(model, config)
