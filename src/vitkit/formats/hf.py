@@ -32,6 +32,7 @@ from .common import (
 FORMAT = "hf"
 ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+PREPROCESSOR = "preprocessor_config.json"
 
 
 def linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
@@ -137,7 +138,8 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
-    """A directory that `transformers.ViTForImageClassification.from_pretrained` loads (`ViTModel` if headless)."""
+    """A directory that `transformers.ViTForImageClassification.from_pretrained` loads (`ViTModel` if headless),
+    with the `preprocessor_config.json` that `AutoImageProcessor` and `pipeline("image-classification")` read."""
     config = model.config
     require_learned_posemb(config, FORMAT)
     unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in
@@ -179,4 +181,25 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2) + "\n"))
+    for name, data in (("config.json", hf), (PREPROCESSOR, preprocessor_config(config))):
+        text = json.dumps(data, indent=2) + "\n"
+        atomic_write(directory / name, lambda tmp, text=text: Path(tmp).write_text(text))
+
+
+def preprocessor_config(config: ViTConfig) -> dict:
+    """vitkit's evaluation preprocessing in the words of transformers' `ViTImageProcessor`: the whole image
+    resized (bilinear) to the model resolution, then x / 127.5 - 1, i.e. (x / 255 - 0.5) / 0.5, to [-1, 1].
+
+    `pipeline("image-classification")` reads every image as RGB, so it serves 3-channel models; a 1-channel
+    model needs its images converted to grayscale by hand before the processor."""
+    return {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": config.image_size[0], "width": config.image_size[1]},
+        "resample": 2,  # PIL's BILINEAR
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5] * config.in_chans,
+        "image_std": [0.5] * config.in_chans,
+    }
