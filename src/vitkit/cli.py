@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
     p.add_argument("src", help="checkpoint file, or a Hugging Face model directory")
-    p.add_argument("dst", help="output file (a directory for --to hf)")
+    p.add_argument("dst", help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
+                   "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
     p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
     p.set_defaults(func=cmd_convert)

@@ -17,11 +17,12 @@ FORMATS = (VITKIT, *MODULES)
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """The format of a checkpoint from its kind and name: a directory is Hugging Face, `.npz` official or
+    """The format of a checkpoint from its kind and name: a directory is timm's hub layout when its config.json
+    names an `architecture`, else Hugging Face; `.npz` official or
     big_vision, a safetensors file vitkit's if its metadata says so (else timm), `.pth` / `.bin` timm."""
     path = Path(path)
     if path.is_dir():
-        return "hf"
+        return "timm" if timm.is_hub_dir(path) else "hf"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory.")
     suffix = path.suffix.lower()
