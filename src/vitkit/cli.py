@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 
 from . import __version__
 from . import config as cfg
@@ -41,7 +42,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Load a checkpoint of any format and write it in another."""
     model = load_checkpoint(args.src, format=args.format)
-    export(model, args.dst, format=args.to)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export(model, args.dst, format=args.to)
+    for warning in caught:
+        print(f"vitkit convert: warning: {warning.message}", file=sys.stderr)
     c = model.config
     shape = f"{c.num_layers} layers, D={c.hidden_size}, {c.num_heads} heads, patch {c.patch_size}, {c.image_size} px"
     print(f"{args.src} -> {args.dst} ({args.to}): {shape}, {c.num_classes} classes")
