@@ -10,7 +10,7 @@ import pytest
 import vitkit
 from vitkit.cli import main
 from vitkit.data import DATASETS
-from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAIN_MODES, TrainConfig, field_help
+from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -43,7 +43,7 @@ def test_every_train_option_has_its_field_description_and_the_registries_choices
     text = help_text("train", capsys)
     for name in ("data", "lr", "model_args", "warmup_fraction", "eval_every"):
         assert field_help(name)[0] in text, name
-    for registry in (sorted(DATASETS), OPTIMIZERS, SCHEDULES, PRECISIONS, TRAIN_MODES):
+    for registry in (sorted(DATASETS), OPTIMIZERS, SCHEDULES, PRECISIONS, TRAINABLE):
         assert "|".join(registry) in text
     assert "default adamw" in text and "default 0.002" in text and "default 6" in text
 
@@ -140,7 +140,7 @@ def test_eval_batch_size_zero_is_a_clear_error(gray_model, capsys):
 
 @pytest.mark.slow
 def test_inspect_counts_the_occlusion_passes_before_it_starts_and_stride_cuts_them(gray_model, tmp_path, capsys):
-    from vitkit.inspect import occlusion_windows
+    from vitkit.analysis import occlusion_windows
 
     assert main(["inspect", "--checkpoint", str(gray_model), "--samples", "2", "--out", str(tmp_path / "r"),
                  "--threads", "1"]) == 0  # fmt: skip

@@ -83,7 +83,7 @@ def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or with --resume continue) a run; exit status 130 when interrupted after saving a checkpoint."""
-    from .train import train
+    from .training import train
 
     if args.resume:
         changes = {name: getattr(args, name) for name in field_types() if hasattr(args, name)}
@@ -104,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split."""
     from .data import get_dataset
-    from .evaluate import evaluate, format_eval
+    from .evaluation import evaluate, format_eval
 
     model = _placed(load_checkpoint(args.checkpoint), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
@@ -123,7 +123,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
     from .data import read_image
-    from .evaluate import image_files, input_notes, predict
+    from .evaluation import image_files, input_notes, predict
 
     model = _placed(load_checkpoint(args.checkpoint), args)
     files = image_files(args.images)
@@ -153,6 +153,10 @@ def _placed(model, args: argparse.Namespace):
     return model.to(resolve_device(args.device))
 
 
+# Other spellings of TrainConfig options, kept working for existing command lines.
+OPTION_ALIASES = {"trainable": ["--train"]}
+
+
 def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
     """One --option per TrainConfig field (dashes for underscores), described by the field's own help and
     choices, with this command's defaults (TrainConfig's, with `preset` on top); unset options keep the value."""
@@ -162,7 +166,7 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help=text)
     defaults = TrainConfig(**preset)
     for name, kind in field_types().items():
-        flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+        flags, default = ["--" + name.replace("_", "-"), *OPTION_ALIASES.get(name, [])], getattr(defaults, name)
         text, choices = field_help(name)
         if choices:
             text += f" ({'|'.join(choices)})"
@@ -171,15 +175,15 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
             text += f"; default {shown}"
         common = dict(dest=name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if kind in (dict, dict | None):
-            p.add_argument(flag, type=_mapping, metavar="K=V,...", **common)
+            p.add_argument(*flags, type=_mapping, metavar="K=V,...", **common)
         elif kind in (bool, bool | None):
-            p.add_argument(flag, type=_boolean, metavar="true|false", **common)
+            p.add_argument(*flags, type=_boolean, metavar="true|false", **common)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
             item = int if kind == tuple[int, int] | None else float
-            p.add_argument(flag, type=item, nargs=2, metavar=("A", "B"), **common)
+            p.add_argument(*flags, type=item, nargs=2, metavar=("A", "B"), **common)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
-            p.add_argument(flag, type=item, choices=choices, metavar=name.upper(), **common)
+            p.add_argument(*flags, type=item, choices=choices, metavar=name.upper(), **common)
 
 
 def _shown(value) -> str:

@@ -1,4 +1,4 @@
-"""The inspection report: the figures of `vitkit.inspect` drawn with matplotlib (no display needed) and gathered
+"""The inspection report: the figures of `vitkit.analysis` drawn with matplotlib (no display needed) and gathered
 into one self-contained `report.html`, every image embedded as a data URI, each with a caption that says what
 it shows and what it does not.
 """
@@ -19,7 +19,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from . import inspect as vi
+from . import analysis as vi
 from .data import DATASETS, get_dataset, read_image, to_input
 from .model import VisionTransformer
 
@@ -359,7 +359,7 @@ def write_report(
     stride: int | None = None,
     progress: bool = False,
 ) -> Path:
-    """Compute every figure of `vitkit.inspect` for `model` on `samples`, write each as a PNG into `out_dir`
+    """Compute every figure of `vitkit.analysis` for `model` on `samples`, write each as a PNG into `out_dir`
     and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file. `stride` is the
     occlusion windows' (default: half a patch); `progress` shows a bar of the occlusion forward passes on a
     terminal."""
