@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 import warnings
+from typing import Any
 
 from . import __version__
 from . import config as cfg
@@ -173,14 +174,14 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
         if default is not None:
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else _shown(default)
             text += f"; default {shown}"
-        common = dict(dest=name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+        common: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if kind in (dict, dict | None):
             p.add_argument(*flags, type=_mapping, metavar="K=V,...", **common)
         elif kind in (bool, bool | None):
             p.add_argument(*flags, type=_boolean, metavar="true|false", **common)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
-            item = int if kind == tuple[int, int] | None else float
-            p.add_argument(*flags, type=item, nargs=2, metavar=("A", "B"), **common)
+            number = int if kind == tuple[int, int] | None else float
+            p.add_argument(*flags, type=number, nargs=2, metavar=("A", "B"), **common)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
             p.add_argument(*flags, type=item, choices=choices, metavar=name.upper(), **common)
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
     p.add_argument("--checkpoint", required=True, help="model file (vitkit safetensors or any load_checkpoint format)")
-    datasets = field_help("data")[1]
+    datasets = field_help("data")[1] or ()
     p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
                    help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
     p.add_argument("--data-dir", help=field_help("data_dir")[0])

@@ -428,10 +428,11 @@ DATASETS: dict[str, Callable[..., LabelledDataset]] = {
 }
 
 
-def describe(name: str, dataset: Dataset, probe: int = 8) -> dict:
+def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:
     """What a model trained on `dataset` has seen, for `predict` to notice inputs unlike it: the dataset's
     `name`, whether its images are `grayscale` (one channel, or three equal ones) and their typical
     `image_size` [H, W] (the first `probe` images' median, for datasets decoded from files)."""
+    images: list[torch.Tensor] | torch.Tensor
     if isinstance(dataset, ImageArrayDataset):
         images = dataset.images[:probe]
     else:

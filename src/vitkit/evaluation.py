@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def input_notes(model: VisionTransformer, image: torch.Tensor) -> list[str]:
 
 @torch.no_grad()
 def predict(
-    model: VisionTransformer, paths: list[str | os.PathLike], k: int = 5, progress: bool = False
+    model: VisionTransformer, paths: Sequence[str | os.PathLike], k: int = 5, progress: bool = False
 ) -> list[list[tuple[str, float]]]:
     """Top-k (class name, probability) for each image file, evaluated as in `evaluate`."""
     if k < 1:

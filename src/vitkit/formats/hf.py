@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -194,8 +195,11 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     for name, data in (("config.json", hf), (PREPROCESSOR, preprocessor_config(config))):
-        text = json.dumps(data, indent=2) + "\n"
-        atomic_write(directory / name, lambda tmp, text=text: Path(tmp).write_text(text))
+        atomic_write(directory / name, partial(write_json, data=data))
+
+
+def write_json(path: str, data: dict) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def preprocessor_config(config: ViTConfig) -> dict:
