@@ -15,6 +15,16 @@ from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainCo
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """`--threads` sets torch's thread count for the rest of the process: give the next test its own back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def run_vitkit(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """The real `python -m vitkit` in a subprocess, on this worktree's sources."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
