@@ -238,9 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="model file (any format vitkit.load_checkpoint reads)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
-    source.add_argument("--data", default="shapes", help="dataset to take images from (default shapes)")
+    datasets = field_help("data")[1] or ()
+    source.add_argument("--data", default="shapes", choices=datasets, metavar="DATA",
+                        help=f"dataset to take images from ({'|'.join(datasets)}); default shapes")  # fmt: skip
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
-    p.add_argument("--split", default="test", help="split of --data (default test)")
+    p.add_argument("--split", default="test", choices=("train", "test"), help="split of --data (default test)")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
     p.add_argument(
         "--stride", type=int, help="pixels between occlusion windows (default half a patch); doubling it quarters "
@@ -258,7 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
     p.add_argument("--checkpoint", required=True, help="model file (vitkit safetensors or any load_checkpoint format)")
-    datasets = field_help("data")[1] or ()
     p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
                    help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
