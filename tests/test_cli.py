@@ -87,11 +87,15 @@ def test_finetune_without_a_checkpoint_is_refused(capsys, tmp_path):
 
 
 def test_resume_refuses_by_name_the_options_that_would_change_the_run():
-    saved = TrainConfig()
-    with pytest.raises(ValueError, match=r"lr, optimizer cannot change"):
-        from vitkit.recipes import resume_changes
+    from vitkit.recipes import resume_changes
 
+    saved = TrainConfig(steps=10)
+    with pytest.raises(ValueError, match=r"lr, optimizer cannot change"):
         resume_changes(saved, {"epochs": 3, "lr": 5.0, "optimizer": "sgd"})
+    same = resume_changes(saved, {"lr": saved.lr, "log_every": 5})  # repeating a saved value is no change
+    assert same.log_every == 5 and same.steps == 10
+    longer = resume_changes(saved, {"epochs": 3})  # a run that counted steps now counts epochs
+    assert longer.epochs == 3 and longer.steps is None
 
 
 # --- eval, predict, inspect ----------------------------------------------------------------------------------
