@@ -348,15 +348,20 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 def read_image(path: str | os.PathLike, mode: str = "RGB") -> torch.Tensor:
     """Any image file PIL reads -> uint8 tensor (C, H, W) in `mode` ("RGB": palette, gray and alpha modes become
     RGB; "L": grayscale, C = 1)."""
-    from PIL import Image
-
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such image file.")
+    return decode_image(Path(path).read_bytes(), str(path), mode)
+
+
+def decode_image(data: bytes, name: str = "image", mode: str = "RGB") -> torch.Tensor:
+    """The bytes of an image file -> uint8 tensor (C, H, W), as `read_image`; `name` says where they came from."""
+    from PIL import Image
+
     try:
-        with Image.open(path) as im:
+        with Image.open(io.BytesIO(data)) as im:
             array = np.asarray(im.convert(mode), dtype=np.uint8)
     except OSError as e:
-        raise ValueError(f"{path}: not an image PIL can read ({e}). Use a PNG or JPEG file.") from e
+        raise ValueError(f"{name}: not an image PIL can read ({e}). Use a PNG or JPEG file.") from e
     array = array[..., None] if array.ndim == 2 else array
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
@@ -408,7 +413,14 @@ DATASETS = {
     "cifar100": lambda split="train", **kw: CIFAR(split, num_classes=100, **kw),
     "imagefolder": ImageFolder,
     "shapes": ShapesDataset,
+    "shards": lambda split="train", **kw: _sharded(split, **kw),
 }
+
+
+def _sharded(split: str, **kwargs) -> Dataset:
+    from .shards import ShardedDataset  # shards.py builds on this module
+
+    return ShardedDataset(split, **kwargs)
 
 
 def dataset_augmentation(dataset: Dataset) -> tuple[tuple[float, float], bool]:
