@@ -51,6 +51,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_pack(args: argparse.Namespace) -> int:
+    """Pack an image folder into tar shards for streaming (datasets larger than memory)."""
+    from .shards import pack_image_folder
+
+    index = pack_image_folder(
+        args.root, args.out, samples_per_shard=args.samples_per_shard, val_fraction=args.val_fraction, seed=args.seed
+    )
+    for split, shards in index["splits"].items():
+        print(f"{split}: {sum(s['count'] for s in shards)} images in {len(shards)} shards")
+    print(f"wrote {args.out}/index.json ({len(index['classes'])} classes); use: --data shards --data-dir {args.out}")
+    return 0
+
+
 def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
     """Defaults (or a preset) < the --config file < the options given on the command line."""
     values = dict(preset)
@@ -185,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1000)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("data", help="prepare datasets: `vitkit data pack ROOT OUT` writes tar shards")
+    data = p.add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("pack", help="write an image folder's train and test splits as WebDataset tar shards")
+    p.add_argument("root", help="image folder: ROOT/<class>/<image>, or ROOT/train and ROOT/val (or test)")
+    p.add_argument("out", help="output directory (then: vitkit train --data shards --data-dir OUT)")
+    p.add_argument("--samples-per-shard", type=int, default=1000, help="about this many images per shard")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="held out for test without ROOT/val (0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the order the samples are written in")
+    p.set_defaults(func=cmd_data_pack)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
     p.add_argument("--checkpoint", required=True, help="model file with class names (as `vitkit train` saves)")

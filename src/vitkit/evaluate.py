@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .augment import eval_batch
 from .data import ImageArrayDataset, read_image
-from .distributed import World, all_reduce_sum
+from .distributed import World, all_reduce_sum, is_sharded
 from .model import VisionTransformer
 
 
@@ -104,6 +105,11 @@ def evaluate(
         loss += F.cross_entropy(logits, labels, reduction="sum").double()
         confusion += torch.bincount(labels * k + logits.argmax(1), minlength=k * k).reshape(k, k)
         top5 += (logits.topk(min(5, k), dim=1).indices == labels[:, None]).any(1).sum()
+    if world is not None and is_sharded(model):
+        # FSDP gathers the weights in every forward: each process must run as many as the one with most images.
+        dummy = torch.zeros(1, model.config.in_chans, *model.config.image_size, device=device)
+        for _ in range(math.ceil(math.ceil(len(dataset) / size) / batch_size) - len(chunks)):
+            model(dummy)
     model.train(was_training)
     if world is not None:
         for t in (confusion, top5, loss):

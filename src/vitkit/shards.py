@@ -52,6 +52,8 @@ def pack_image_folder(
 ) -> dict:
     """Write the train and test splits of the image folder `root` (as `imagefolder` splits it) as tar shards of
     about `samples_per_shard` samples in `out_dir`; returns the index also written to `out_dir/index.json`."""
+    if not Path(root).is_dir():
+        raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard={samples_per_shard} must be at least 1.")
     out = Path(out_dir)
