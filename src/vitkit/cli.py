@@ -52,7 +52,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_data_pack(args: argparse.Namespace) -> int:
-    """Pack an image folder into tar shards for streaming (datasets larger than memory)."""
+    """Pack an image folder into Parquet shards for streaming (datasets larger than memory)."""
     from .shards import pack_image_folder
 
     index = pack_image_folder(
@@ -199,9 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("data", help="prepare datasets: `vitkit data pack ROOT OUT` writes tar shards")
+    p = sub.add_parser("data", help="prepare datasets: `vitkit data pack ROOT OUT` writes Parquet shards")
     data = p.add_subparsers(dest="data_command", required=True)
-    p = data.add_parser("pack", help="write an image folder's train and test splits as WebDataset tar shards")
+    p = data.add_parser("pack", help="write an image folder's train and test splits as Parquet shards")
     p.add_argument("root", help="image folder: ROOT/<class>/<image>, or ROOT/train and ROOT/val (or test)")
     p.add_argument("out", help="output directory (then: vitkit train --data shards --data-dir OUT)")
     p.add_argument("--samples-per-shard", type=int, default=1000, help="about this many images per shard")

@@ -1,10 +1,12 @@
-"""Datasets larger than memory: WebDataset tar shards, streamed shard by shard during training.
+"""Datasets larger than memory: Parquet shards, streamed shard by shard during training.
 
-`pack_image_folder(root, out)` (`vitkit data pack ROOT OUT`) writes each split of an image folder as tar shards
-in the WebDataset layout (one sample = `KEY.<image suffix>` with the original file's bytes + `KEY.cls`, the label
-as text), in a fixed shuffled order, balanced (shard sizes differ by at most one), each shard written atomically,
-then `index.json` (classes, shard files and their sample counts), which marks a complete pack.
-Any WebDataset reader can read the shards; `tar tf` lists them.
+`pack_image_folder(root, out)` (`vitkit data pack ROOT OUT`) writes each split of an image folder as Parquet
+files (one row per image: `key`, `image` = the original file's bytes, `label`; row groups of 100 rows), in a
+fixed shuffled order, balanced (shard sizes differ by at most one), each shard written atomically, then
+`index.json` (classes, shard files and their sample counts), which marks a complete pack. Parquet rather than
+WebDataset tar: read side by side here, pyarrow streams the rows 15-30x faster than Python's tarfile reads tar
+members, and the files are 28% smaller (no 512-byte header per member); see docs/SCALING.md. Any Parquet
+reader (pyarrow, pandas, Hugging Face `datasets`, Spark, DuckDB) reads the shards.
 
 Training (`--data shards --data-dir OUT`) streams them. The order of epoch e is a function of
 (seed, e, number of processes, number of DataLoader workers):
@@ -18,7 +20,7 @@ Every epoch has the same number of steps on every process, computed from the sha
 samples beyond it (a few when shards do not divide evenly over processes x workers) are left out of that
 epoch, different ones each epoch. Decoding happens in the DataLoader workers. A resumed run continues exactly:
 micro-batch k is found by arithmetic, whole shards are skipped unread, and the DataLoader's workers take the
-roles in the rotated order. `ShardedDataset[i]` also reads any single sample (tar offsets), for evaluation.
+roles in the rotated order. `ShardedDataset[i]` also reads any single sample (by row group), for evaluation.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import bisect
 import json
 import math
 import os
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from .checkpoints import atomic_write
 from .data import ImageFolder, decode_image
 
 FORMAT = "vitkit-shards/1"
+ROW_GROUP = 100
 INDEX = "index.json"
 
 
@@ -50,7 +52,7 @@ def pack_image_folder(
     val_fraction: float = 0.1,
     seed: int = 0,
 ) -> dict:
-    """Write the train and test splits of the image folder `root` (as `imagefolder` splits it) as tar shards of
+    """Write the train and test splits of the image folder `root` (as `imagefolder` splits it) as Parquet shards of
     about `samples_per_shard` samples in `out_dir`; returns the index also written to `out_dir/index.json`."""
     if not Path(root).is_dir():
         raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
@@ -67,7 +69,7 @@ def pack_image_folder(
         order = np.random.default_rng([seed, split == "test"]).permutation(len(folder.samples))
         shards = []
         for s, part in enumerate(np.array_split(order, math.ceil(len(order) / samples_per_shard))):
-            name = f"{split}-{s:06d}.tar"
+            name = f"{split}-{s:06d}.parquet"
             samples = [folder.samples[i] for i in part]
             atomic_write(out / name, lambda tmp, samples=samples, s=s: _write_shard(tmp, samples, s))
             shards.append({"file": name, "count": len(part)})
@@ -81,13 +83,19 @@ def pack_image_folder(
 
 
 def _write_shard(path: str, samples: list[tuple[Path, int]], shard: int) -> None:
-    """One tar shard: `KEY.<suffix>` (the image file's bytes) and `KEY.cls` (its label) per sample."""
-    from webdataset import TarWriter
+    """One Parquet shard: a row per sample with its key, the image file's bytes and its label."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    with TarWriter(path, encoder=False, mtime=0.0) as sink:
-        for position, (file, label) in enumerate(samples):
-            suffix = file.suffix.lower().lstrip(".")
-            sink.write({"__key__": f"{shard:06d}{position:06d}", suffix: file.read_bytes(), "cls": str(label).encode()})
+    table = pa.table(
+        {
+            "key": [f"{shard:06d}{position:06d}{file.suffix.lower()}" for position, (file, _) in enumerate(samples)],
+            "image": pa.array([file.read_bytes() for file, _ in samples], pa.binary()),
+            "label": pa.array([label for _, label in samples], pa.int64()),
+        }
+    )
+    # Images are compressed already; small row groups keep a random read (evaluation) small.
+    pq.write_table(table, path, row_group_size=ROW_GROUP, compression="none")
 
 
 def read_index(data_dir: str | os.PathLike | None) -> dict:
@@ -116,7 +124,7 @@ class ShardedDataset(Dataset):
         self.files = [self.root / s["file"] for s in index["splits"][split]]
         self.counts = [int(s["count"]) for s in index["splits"][split]]
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).tolist()
-        self._members: dict[int, list[tuple[tarfile.TarInfo, tarfile.TarInfo]]] = {}
+        self._cached: tuple[tuple[int, int] | None, object] = (None, None)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -125,27 +133,19 @@ class ShardedDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(index)
         s = bisect.bisect_right(self.starts, index) - 1
-        image, label = self._shard_members(s)[index - self.starts[s]]
-        with open(self.files[s], "rb") as f:
-            f.seek(image.offset_data)
-            data = f.read(image.size)
-            f.seek(label.offset_data)
-            target = int(f.read(label.size))
-        return decode_image(data, f"{self.files[s]}:{image.name}"), target
+        group, row = divmod(index - self.starts[s], ROW_GROUP)
+        if self._cached[0] != (s, group):  # evaluation reads in order: one row group at a time
+            self._cached = ((s, group), self._parquet(s).read_row_group(group, columns=["key", "image", "label"]))
+        table = self._cached[1]
+        key, data, label = (table.column(c)[row].as_py() for c in ("key", "image", "label"))
+        return decode_image(data, f"{self.files[s]}:{key}"), label
 
-    def _shard_members(self, s: int) -> list[tuple[tarfile.TarInfo, tarfile.TarInfo]]:
-        """(image, label) tar members of shard s in stored order (the headers are read once per process)."""
-        if s not in self._members:
-            with tarfile.open(self.files[s]) as tar:
-                members = [m for m in tar.getmembers() if m.isreg()]
-            samples: dict[str, dict[str, tarfile.TarInfo]] = {}
-            for m in members:
-                key, _, suffix = m.name.partition(".")
-                samples.setdefault(key, {})[suffix] = m
-            pairs = [(next(v for k, v in parts.items() if k != "cls"), parts["cls"]) for parts in samples.values()]
-            self._check_count(s, len(pairs))
-            self._members[s] = pairs
-        return self._members[s]
+    def _parquet(self, s: int):
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(self.files[s])
+        self._check_count(s, file.metadata.num_rows)
+        return file
 
     def _check_count(self, s: int, found: int) -> None:
         if found != self.counts[s]:
@@ -183,19 +183,14 @@ class ShardedDataset(Dataset):
 
     def _role_samples(self, shards: list[int], epoch: int, seed: int, skip: int) -> Iterator[tuple[bytes, str, int]]:
         """(image bytes, name, label) of `shards` in order, each shard in its permuted order, from sample `skip`."""
-        from webdataset.tariterators import group_by_keys, tar_file_expander
-
         for s in shards:
             if skip >= self.counts[s]:
                 skip -= self.counts[s]  # a shard consumed before the resume: not even opened
                 continue
-            with open(self.files[s], "rb") as f:
-                samples = list(group_by_keys(tar_file_expander([{"stream": f, "url": str(self.files[s])}])))
-            self._check_count(s, len(samples))
-            for i in np.random.default_rng([seed, epoch, s]).permutation(len(samples))[skip:]:
-                sample = samples[i]
-                suffix = next(k for k in sample if not k.startswith("__") and k != "cls")
-                yield sample[suffix], f"{self.files[s]}:{sample['__key__']}.{suffix}", int(sample["cls"])
+            table = self._parquet(s).read(columns=["key", "image", "label"])
+            keys, images, labels = (table.column(c).to_pylist() for c in ("key", "image", "label"))
+            for i in np.random.default_rng([seed, epoch, s]).permutation(len(keys))[skip:]:
+                yield images[i], f"{self.files[s]}:{keys[i]}", labels[i]
             skip = 0
 
 
