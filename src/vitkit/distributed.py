@@ -210,6 +210,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = read_sharded_state(path)
+    _read_metadata(path)  # refuse a crafted checkpoint here, with its own error, before DCP reads it
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {"model": model_state, "optim": optim_state["state"]}
     dcp.load(tensors, storage_reader=_safe_reader(path))
@@ -251,25 +252,31 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _read_metadata(path: str | os.PathLike):
+    """A DCP checkpoint's metadata, unpickled with DCP's own classes only; a checkpoint holding pickled objects
+    (which DCP would load with weights_only=False) is refused."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    with open(Path(path) / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    pickled = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    if pickled:
+        raise ValueError(
+            f"{path}: holds pickled objects {pickled[:3]}; vitkit's sharded checkpoints keep tensors only (the rest "
+            "is in state.json), so this one is not loaded."
+        )
+    return metadata
+
+
 def _safe_reader(path: str | os.PathLike):
-    """A DCP reader for `path` (built here: torch.distributed.checkpoint takes seconds to import)."""
+    """A DCP reader for `path` that reads the metadata with `_read_metadata` (built here: torch.distributed.checkpoint
+    takes seconds to import)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class Reader(FileSystemReader):
-        """FileSystemReader with weights_only semantics: the metadata is unpickled with DCP's classes only, and
-        a checkpoint holding pickled objects (which DCP would load with weights_only=False) is refused."""
-
         def read_metadata(self, *args, **kwargs):
-            file = Path(self.path) / ".metadata"
-            with open(file, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            pickled = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
-            if pickled:
-                raise ValueError(
-                    f"{self.path}: holds pickled objects {pickled[:3]}; vitkit's sharded checkpoints keep tensors "
-                    "only (the rest is in state.json), so this one is not loaded."
-                )
+            metadata = _read_metadata(self.path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
