@@ -2,7 +2,8 @@
 
 `python benchmarks/scaling.py measure [--variants ViT-Ti/16 ViT-S/16 ViT-B/16] [--batch 4] [--steps 3]`
     trains each variant for a few steps (fp32, AdamW, 224 px, this process's threads), each in its own
-    subprocess so that its peak resident memory is its own; prints images/s of the training step and the peak.
+    subprocess so that its peak resident memory is its own; prints images/s of the training step (the best
+    step) and the peak resident memory above that of the process before the model was built.
 `python benchmarks/scaling.py plan [--mfu 0.4] [--peak-tflops 989] [--gpus 8 64 256]`
     the arithmetic for ViT-L/16 and ViT-H/14 on JFT-300M and ImageNet-21k: FLOPs per image (`vitkit.flops`),
     GPU-days at the stated utilisation, and memory per GPU under DDP and FSDP at a global batch of 4096.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -58,6 +60,7 @@ def activation_bytes(name: str, image_size: int = 224, checkpointing: bool = Fal
 def measure_one(name: str, batch: int, steps: int) -> dict:
     """Run in a subprocess: a few AdamW steps at 224 px, the last `steps` timed."""
     torch.manual_seed(0)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch and vitkit loaded, no model
     model = VisionTransformer(decode_variant(name, image_size=224, num_classes=1000))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))
@@ -70,15 +73,17 @@ def measure_one(name: str, batch: int, steps: int) -> dict:
         times.append(time.perf_counter() - tick)
     seconds = min(times[1:])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"model": name, "batch": batch, "images_per_s": batch / seconds, "peak_rss": peak}
+    return {"model": name, "batch": batch, "images_per_s": batch / seconds, "peak_rss": peak - baseline}
 
 
 def cmd_measure(args: argparse.Namespace) -> None:
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} thread(s), fp32")
-    print(f"{'model':<10}{'params':>9}{'batch':>6}{'img/s':>8}{'peak RSS':>10}{'state 16B/p':>12}"
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} thread(s), fp32, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
+    print(f"{'model':<10}{'params':>9}{'batch':>6}{'img/s':>8}{'+peak RSS':>10}{'state 16B/p':>12}"
           f"{'act/img':>9}{'ckpt act/img':>13}")  # fmt: skip
     for name in args.variants:
-        code = f"import json, benchmarks.scaling as s; print(json.dumps(s.measure_one({name!r}, {args.batch}, {args.steps})))"
+        call = f"measure_one({name!r}, {args.batch}, {args.steps})"
+        code = f"import json, benchmarks.scaling as s; print(json.dumps(s.{call}))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         params = count_params(decode_variant(name, image_size=224, num_classes=1000))
@@ -99,7 +104,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(f"{name + ' ' + data:<24}{forward / 1e9:>10.1f}{seen / 1e9:>8.2f}B{total:>12.2e}"
               f"{total / rate / 86400:>10.0f}{paper if paper else '-':>23}")  # fmt: skip
     print()
-    print("Memory per GPU at global batch 4096, bf16 autocast, gradient checkpointing on (activations: fp32 figure / 2)")
+    print("Memory per GPU at global batch 4096, bf16 autocast, gradient checkpointing (activations: fp32 bytes / 2)")
     print(f"{'model':<10}{'GPUs':>6}{'img/GPU':>8}{'DDP state':>10}{'FSDP state':>11}{'act (ckpt)':>11}")
     for name in ("ViT-L/16", "ViT-H/14"):
         config = decode_variant(name, image_size=224, num_classes=1000)

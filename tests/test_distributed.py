@@ -65,7 +65,7 @@ def one_process_group():
     world = World(0, 1, torch.device("cpu"))
     join_group(world)
     yield world
-    close_world(World(0, 2, torch.device("cpu")))  # a group of one was joined: leave it
+    close_world(world)
 
 
 def test_fsdp_keeps_weight_decay_groups_and_gathers_bf16_weights_while_reducing_fp32_gradients(one_process_group):

@@ -59,7 +59,8 @@ def init_world(device: str = "auto") -> World:
 
 
 def close_world(world: World) -> None:
-    if world.size > 1 and dist.is_initialized():
+    """Leave the process group: torchrun's, or the group of one that FSDP joined for a single process."""
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

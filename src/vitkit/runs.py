@@ -4,6 +4,9 @@ config.json          the resolved TrainConfig, model config, dataset and world s
 metrics.jsonl        one JSON object per line: training (loss, lr, top-1/top-5, images/s) and evaluation
 checkpoint.pt        resumable state (model, optimiser, step, data order, RNG), written atomically,
                      read back with `torch.load(weights_only=True)`: tensors and plain containers only
+checkpoint/          instead, for FSDP runs: torch.distributed.checkpoint shards of the model and optimiser
+                     (tensors only) + state.json (the rest); replaced as a whole, resumable with any number of
+                     processes
 model.safetensors    the final model (vitkit format, with class names); best.safetensors: best evaluation
 curves.png, confusion.png, summary.json, tensorboard/ (when tensorboard is installed)
 """
@@ -19,8 +22,10 @@ from typing import Any
 import torch
 
 from .checkpoints import atomic_write
+from .distributed import read_sharded_state
 
 CHECKPOINT = "checkpoint.pt"
+SHARDED_CHECKPOINT = "checkpoint"
 
 
 class RunDir:
@@ -65,7 +70,11 @@ class RunDir:
 
 
 def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The resumable state of a run directory, loaded without unpickling arbitrary objects."""
+    """The resumable state of a run directory, loaded without unpickling arbitrary objects. For a sharded
+    checkpoint: its JSON state, with "sharded" = the directory that `distributed.load_sharded` reads."""
+    sharded = Path(run_dir) / SHARDED_CHECKPOINT
+    if sharded.is_dir():
+        return {**read_sharded_state(sharded), "sharded": str(sharded)}
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(
