@@ -14,7 +14,7 @@ import vitkit
 from vitkit.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
 from vitkit.recipes import TrainConfig, build_optimizer
 from vitkit.runs import read_checkpoint
-from vitkit.train import train
+from vitkit.training import train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}

@@ -13,11 +13,15 @@ import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from .model import VisionTransformer
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def wrap_model(model: nn.Module, world: World, strategy: str, precision: str = "
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    for block in model.blocks:
+    for block in cast("VisionTransformer", model).blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -147,7 +151,9 @@ def gradient_sync(net: nn.Module, sync: bool):
     an accumulated step): DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`."""
     if isinstance(net, DistributedDataParallel) and not sync:
         return net.no_sync()
-    if is_sharded(net):
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(net, FSDPModule):
         net.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
@@ -160,7 +166,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if dist.get_rank() == 0 else None
+    return cast(dict[str, torch.Tensor], state) if dist.get_rank() == 0 else None
 
 
 # --- Sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------------------
@@ -213,7 +219,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     state = read_sharded_state(path)
     _read_metadata(path)  # refuse a crafted checkpoint here, with its own error, before DCP reads it
     model_state, optim_state = get_state_dict(model, optimizer)
-    tensors = {"model": model_state, "optim": optim_state["state"]}
+    tensors: dict[str, Any] = {"model": model_state, "optim": optim_state["state"]}
     dcp.load(tensors, storage_reader=_safe_reader(path))
     groups = state.pop("param_groups")
     set_state_dict(

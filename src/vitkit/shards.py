@@ -26,18 +26,20 @@ roles in the rotated order. `ShardedDataset[i]` also reads any single sample (by
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from .checkpoints import atomic_write
 from .data import ImageFolder, decode_image
+from .files import atomic_write
 
 FORMAT = "vitkit-shards/1"
 ROW_GROUP = 100
@@ -71,7 +73,7 @@ def pack_image_folder(
         for s, part in enumerate(np.array_split(order, math.ceil(len(order) / samples_per_shard))):
             name = f"{split}-{s:06d}.parquet"
             samples = [folder.samples[i] for i in part]
-            atomic_write(out / name, lambda tmp, samples=samples, s=s: _write_shard(tmp, samples, s))
+            atomic_write(out / name, functools.partial(_write_shard, samples=samples, shard=s))
             shards.append({"file": name, "count": len(part)})
         splits[split] = shards
     crop_scale, flip = ImageFolder.crop_scale, ImageFolder.flip
@@ -118,13 +120,13 @@ class ShardedDataset(Dataset):
         index = read_index(data_dir)
         if split not in index["splits"]:
             raise ValueError(f"split={split!r} is not in {data_dir}: it holds {', '.join(index['splits'])}.")
-        self.root = Path(data_dir)
+        self.root = Path(data_dir or ".")
         self.classes = list(index["classes"])
         self.crop_scale, self.flip = tuple(index["crop_scale"]), bool(index["flip"])
         self.files = [self.root / s["file"] for s in index["splits"][split]]
         self.counts = [int(s["count"]) for s in index["splits"][split]]
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).tolist()
-        self._cached: tuple[tuple[int, int] | None, object] = (None, None)
+        self._cached: tuple[tuple[int, int] | None, Any] = (None, None)
 
     def __len__(self) -> int:
         return self.starts[-1]
