@@ -6,9 +6,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
+from vitkit import training
 from vitkit.data import ImageFolder, get_dataset
+from vitkit.recipes import TrainConfig
 from vitkit.shards import ShardedDataset, pack_image_folder
+from vitkit.training import train
 
 
 def write_image_folder(root, per_class: int = 12, classes=("cat", "dog", "owl")):
@@ -106,3 +110,44 @@ def test_too_few_shards_for_the_processes_is_a_clear_error(packed):
         dataset.micro_batches_per_epoch(1, 2, 2)
     with pytest.raises(FileNotFoundError, match="vitkit data pack"):
         get_dataset("shards", "train", data_dir=packed[0])
+
+
+TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
+
+
+def small_run(out_dir, **overrides) -> TrainConfig:
+    spec = dict(model="ViT-Ti/8", model_args=dict(TINY), image_size=16, batch_size=3, epochs=1, eval_every=0,
+                threads=1, workers=2, out_dir=str(out_dir))  # fmt: skip
+    return TrainConfig(**{**spec, **overrides})
+
+
+@pytest.mark.slow
+def test_a_training_epoch_on_packed_shards_sees_exactly_the_image_folder_images(tmp_path, monkeypatch):
+    root = write_image_folder(tmp_path / "photos", per_class=8)
+    pack_image_folder(root, tmp_path / "packed", samples_per_shard=3, val_fraction=0.25)  # 18 train images
+    seen: list[tuple] = []
+    augment = training.train_batch
+
+    def recording_train_batch(images, labels, *args, **kwargs):
+        seen.extend(fingerprint(image, label) for image, label in zip(images, labels))
+        return augment(images, labels, *args, **kwargs)
+
+    monkeypatch.setattr(training, "train_batch", recording_train_batch)
+    data_args = {"val_fraction": 0.25}
+    train(small_run(tmp_path / "folder", data="imagefolder", data_dir=str(root), data_args=data_args))
+    from_folder, seen[:] = Counter(seen), []
+    train(small_run(tmp_path / "shards", data="shards", data_dir=str(tmp_path / "packed"), data_args={}))
+    assert len(seen) == 18 and Counter(seen) == from_folder  # each image once, the same pixels and labels
+
+
+@pytest.mark.slow
+def test_a_run_on_packed_shards_stopped_and_resumed_is_bit_identical(tmp_path):
+    root = write_image_folder(tmp_path / "photos", per_class=8)
+    pack_image_folder(root, tmp_path / "packed", samples_per_shard=3, val_fraction=0.25)
+    spec = dict(data="shards", data_dir=str(tmp_path / "packed"), data_args={}, epochs=2)  # 12 steps
+    train(small_run(tmp_path / "whole", **spec))
+    stopped = train(small_run(tmp_path / "split", **spec), stop_after=4)  # inside the first epoch
+    assert stopped.interrupted and stopped.step == 4
+    assert train(resume=tmp_path / "split").step == 12
+    whole, split = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("whole", "split"))
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
