@@ -68,6 +68,7 @@ def one_process_group():
     close_world(world)
 
 
+@pytest.mark.slow
 def test_fsdp_keeps_weight_decay_groups_and_gathers_bf16_weights_while_reducing_fp32_gradients(one_process_group):
     model, reference = tiny_model(), tiny_model()
     wrap_model(model, one_process_group, "fsdp", "bf16")
@@ -85,6 +86,7 @@ def test_fsdp_keeps_weight_decay_groups_and_gathers_bf16_weights_while_reducing_
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())  # kept fp32
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_round_trips_and_refuses_pickled_objects(tmp_path, one_process_group):
     model = tiny_model()
     wrap_model(model, one_process_group, "fsdp")
@@ -174,3 +176,12 @@ def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_as_one(tmp_path):
     # Two nodes of one process = one process with the whole batch (the global batches do not depend on the split).
     train(TrainConfig(**RECIPE, out_dir=str(tmp_path / "one")))
     assert_close(weights(tmp_path / "two-nodes"), weights(tmp_path / "one"), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_in_one_process_with_gradient_checkpointing_trains_as_the_plain_model(tmp_path):
+    # Recomputing each sharded block in backward (its weights gathered again) changes nothing but the memory.
+    train(TrainConfig(**RECIPE, out_dir=str(tmp_path / "plain")))
+    sharded = train(TrainConfig(**RECIPE, strategy="fsdp", grad_checkpointing=True, out_dir=str(tmp_path / "fsdp")))
+    assert sharded.step == 6 and (tmp_path / "fsdp" / "checkpoint" / "state.json").is_file()
+    assert_close(weights(tmp_path / "plain"), weights(tmp_path / "fsdp"), atol=1e-5)
