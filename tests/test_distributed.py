@@ -19,12 +19,13 @@ from vitkit.training import train
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-# SGD (Adam turns rounding noise into lr-sized steps, see test_train) and a clip threshold that every step hits,
-# so that the gradient norm over shards is part of what is compared.
+# SGD (Adam turns rounding noise into lr-sized steps, see test_training) and a clip threshold that every step
+# hits, so that the gradient norm over shards is part of what is compared. 47 test images in batches of 23: one
+# process evaluates 2 batches, the other 1, which a sharded model must make up for with an empty forward.
 RECIPE = dict(
-    data="shapes", data_args={"size": 48, "image_size": 16}, model="ViT-Ti/8", model_args=dict(TINY),
-    batch_size=8, steps=6, eval_every=0, log_every=2, crop_scale=(0.3, 1.0), threads=1, optimizer="sgd", lr=0.1,
-    grad_clip=0.05,
+    data="shapes", data_args={"size": 47, "image_size": 16}, model="ViT-Ti/8", model_args=dict(TINY),
+    batch_size=8, steps=6, eval_every=0, eval_batch_size=23, log_every=2, crop_scale=(0.3, 1.0), threads=1,
+    optimizer="sgd", lr=0.1, grad_clip=0.05,
 )  # fmt: skip
 
 

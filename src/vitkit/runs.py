@@ -72,9 +72,10 @@ class RunDir:
 def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The resumable state of a run directory, loaded without unpickling arbitrary objects. For a sharded
     checkpoint: its JSON state, with "sharded" = the directory that `distributed.load_sharded` reads."""
-    sharded = Path(run_dir) / SHARDED_CHECKPOINT
-    if sharded.is_dir():
-        return {**read_sharded_state(sharded), "sharded": str(sharded)}
+    # .checkpoint.old: the previous one, when a save was interrupted between its two renames
+    for sharded in (Path(run_dir) / SHARDED_CHECKPOINT, Path(run_dir) / f".{SHARDED_CHECKPOINT}.old"):
+        if (sharded / "state.json").is_file():
+            return {**read_sharded_state(sharded), "sharded": str(sharded)}
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(
