@@ -5,19 +5,20 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import vitkit
+from conftest import SMALL_ENCODER as TINY
+from conftest import SRC
+from conftest import assert_same_weights as assert_close
+from conftest import run_weights as weights
 from vitkit.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
 from vitkit.recipes import TrainConfig, build_optimizer
 from vitkit.runs import read_checkpoint
 from vitkit.training import train
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
 # SGD (Adam turns rounding noise into lr-sized steps, see test_training) and a clip threshold that every step
 # hits, so that the gradient norm over shards is part of what is compared. 47 test images in batches of 23: one
@@ -42,18 +43,6 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-
-
-def weights(run_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(run_dir) / "model.safetensors"))
-
-
-def assert_close(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=0, atol=atol), (k, (a[k] - b[k]).abs().max())
 
 
 def tiny_model() -> vitkit.VisionTransformer:

@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 
+from conftest import SMALL_ENCODER, assert_same_weights, run_weights
 from vitkit import training
 from vitkit.data import ImageFolder, get_dataset
 from vitkit.recipes import TrainConfig
@@ -112,11 +112,8 @@ def test_too_few_shards_for_the_processes_is_a_clear_error(packed):
         get_dataset("shards", "train", data_dir=packed[0])
 
 
-TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
-
-
 def small_run(out_dir, **overrides) -> TrainConfig:
-    spec = dict(model="ViT-Ti/8", model_args=dict(TINY), image_size=16, batch_size=3, epochs=1, eval_every=0,
+    spec = dict(model="ViT-Ti/8", model_args=dict(SMALL_ENCODER), image_size=16, batch_size=3, epochs=1, eval_every=0,
                 threads=1, workers=2, out_dir=str(out_dir))  # fmt: skip
     return TrainConfig(**{**spec, **overrides})
 
@@ -149,5 +146,4 @@ def test_a_run_on_packed_shards_stopped_and_resumed_is_bit_identical(tmp_path):
     stopped = train(small_run(tmp_path / "split", **spec), stop_after=4)  # inside the first epoch
     assert stopped.interrupted and stopped.step == 4
     assert train(resume=tmp_path / "split").step == 12
-    whole, split = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("whole", "split"))
-    assert all(torch.equal(whole[k], split[k]) for k in whole)
+    assert_same_weights(run_weights(tmp_path / "whole"), run_weights(tmp_path / "split"))

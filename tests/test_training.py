@@ -5,22 +5,20 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import vitkit
+from conftest import SMALL_ENCODER as TINY
+from conftest import SRC, assert_same_weights
+from conftest import run_weights as weights
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.model import resample_grid
 from vitkit.recipes import TrainConfig
 from vitkit.runs import read_checkpoint, read_metrics
 from vitkit.training import initial_model, train
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
 
 
 def shapes_config(out_dir, **overrides) -> TrainConfig:
@@ -31,19 +29,6 @@ def shapes_config(out_dir, **overrides) -> TrainConfig:
         batch_size=8, steps=10, eval_every=0, log_every=1, crop_scale=(0.3, 1.0), out_dir=str(out_dir), threads=1,
     )  # fmt: skip
     return TrainConfig(**{**spec, **overrides})
-
-
-def weights(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(run_dir) / "model.safetensors"))
-
-
-def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if atol == 0.0:
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert torch.allclose(a[k], b[k], rtol=0, atol=atol), (k, (a[k] - b[k]).abs().max())
 
 
 @pytest.mark.slow
