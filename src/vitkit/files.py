@@ -58,7 +58,14 @@ def read_npz(path: str | os.PathLike) -> Tensors:
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, zlib.error) as e:
+    except ValueError as e:
+        if "allow_pickle" not in str(e):
+            raise ValueError(f"{path}: not a readable .npz file ({e}). Is it truncated or of another format?") from e
+        raise ValueError(
+            f"{path}: holds object arrays (pickled Python objects), which vitkit never loads because unpickling "
+            "runs code; a ViT checkpoint has numeric arrays only. Re-save it from its own trusted code without them."
+        ) from None
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, zlib.error) as e:
         raise ValueError(f"{path}: not a readable .npz file ({e}). Is it truncated or of another format?") from e
 
 
