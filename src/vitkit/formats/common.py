@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import zipfile
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoints import check_plausible
 from ..config import ViTConfig, field_names
+from ..errors import CheckpointError
 from ..model import VisionTransformer
 
 Tensors = dict[str, torch.Tensor]
@@ -67,16 +67,27 @@ def build_model(
 ) -> VisionTransformer:
     """A model of `config` with its weights taken from `tensors` through `rules`, every tensor accounted for.
 
-    Raises ValueError listing the file's unexpected keys, its missing keys and its shape mismatches.
+    Raises CheckpointError listing the file's unexpected keys, its missing keys, its shape mismatches and its
+    tensors that are not floating point. The shapes are checked on the meta device, so a file claiming a huge
+    model allocates nothing before it is refused.
     """
-    model = VisionTransformer(config)
-    expected = model.state_dict()
+    try:
+        with torch.device("meta"):
+            expected = VisionTransformer(config).state_dict()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(path, f"the config inferred from the file cannot build a model ({e}).") from e
     uncovered = sorted(set(expected) - {r.ours for r in rules})
     if uncovered:
         raise ValueError(f"{path}: the {format} format has no place for {_listing(uncovered)} of this config.")
     state: Tensors = {}
     missing: list[str] = []
     mismatched: list[str] = []
+    not_float = [k for k, t in tensors.items() if not t.is_floating_point()]
+    if not_float:
+        raise CheckpointError(
+            path, f"tensors of dtype {tensors[not_float[0]].dtype} where weights must be floating point: "
+            f"{_listing(not_float)}.", key=not_float[0],
+        )  # fmt: skip
     for rule in rules:
         absent = [k for k in rule.theirs if k not in tensors]
         if absent:
@@ -86,7 +97,7 @@ def build_model(
         want = tuple(expected[rule.ours].shape)
         try:
             value, reason = rule.to_ours(*sources), ""
-        except RuntimeError as e:
+        except (RuntimeError, IndexError) as e:
             value, reason = None, f" ({e})"
         if value is None or tuple(value.shape) != want:
             have = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(rule.theirs, sources))
@@ -102,12 +113,15 @@ def build_model(
     if mismatched:
         problems.append(f"shape mismatches: {_listing(mismatched, 6)}")
     if problems:
-        raise ValueError(
-            f"{path}: does not match the {format} layout of the inferred model (hidden_size={config.hidden_size}, "
+        raise CheckpointError(
+            path,
+            f"does not match the {format} layout of the inferred model (hidden_size={config.hidden_size}, "
             f"num_layers={config.num_layers}, num_heads={config.num_heads}, classifier={config.classifier!r}); "
             + "; ".join(problems)
-            + ". Check the file is a ViT checkpoint of this format, or pass the right overrides (e.g. num_heads=)."
+            + ". Check the file is a ViT checkpoint of this format, or pass the right overrides (e.g. num_heads=).",
+            key=(unexpected or missing or [None])[0],
         )
+    model = VisionTransformer(config)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -134,7 +148,7 @@ def require_learned_posemb(config: ViTConfig, format: str) -> None:
 def require(tensors: Tensors, key: str, path: str | os.PathLike, format: str) -> torch.Tensor:
     """The tensor `key`, needed to infer the config; its absence means the file is not of this format."""
     if key not in tensors:
-        raise ValueError(f"{path}: no tensor '{key}', so this is not a ViT checkpoint of the {format} format.")
+        raise CheckpointError(path, f"no such tensor, so this is not a ViT checkpoint of the {format} format.", key)
     return tensors[key]
 
 
@@ -149,41 +163,95 @@ def infer_grid(
         h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
         if (h // stride[0]) * (w // stride[1]) == num_positions:
             return h // stride[0], w // stride[1]
-    raise ValueError(
-        f"{path}: the position embedding has {num_positions} patch positions, which is not a square grid; "
-        "pass image_size=(height, width), the resolution the checkpoint was trained at."
+    raise CheckpointError(
+        path,
+        f"the position embedding has {num_positions} patch positions, which is not a square grid; "
+        "pass image_size=(height, width), the resolution the checkpoint was trained at.",
     )
 
 
-def make_config(inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike) -> ViTConfig:
-    """The inferred config with the user's overrides on top, validated."""
+def make_config(
+    inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike, tensors: Tensors
+) -> ViTConfig:
+    """The inferred config with the user's overrides on top, validated, and plausible for the file's size."""
     unknown = sorted(set(overrides) - set(field_names()))
     if unknown:
         raise ValueError(f"unknown override(s) {unknown}; valid ViTConfig fields: {field_names()}.")
+    if not isinstance(inferred, dict):
+        raise CheckpointError(path, f"the recorded config is a {type(inferred).__name__}, not a mapping of fields.")
+    unknown = sorted(set(inferred) - set(field_names()))
+    if unknown:
+        raise CheckpointError(path, f"the recorded config has unknown field(s) {unknown}.", key=unknown[0])
     try:
-        return ViTConfig(**{**inferred, **overrides})
-    except ValueError as e:
-        raise ValueError(f"{path}: the config inferred from the checkpoint is invalid: {e}") from e
+        config = ViTConfig(**{**inferred, **overrides})
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(path, f"the config inferred from the checkpoint is invalid: {e}") from e
+    check_plausible(config, tensors, path)
+    return config
 
 
 def read_npz(path: str | os.PathLike) -> Tensors:
-    """Every array of an `.npz` file as a tensor; object arrays (pickles) are refused."""
+    """Every array of an `.npz` file as a tensor. Each `.npy` header is checked against the bytes the archive
+    holds before anything is allocated; object arrays (pickles), duplicate names and zip bombs are refused."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint file.")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, zlib.error) as e:
-        raise ValueError(f"{path}: not a readable .npz file ({e}). Is it truncated or of another format?") from e
+        with zipfile.ZipFile(path) as archive:
+            return _npz_arrays(archive, path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # zipfile and numpy's header parser fail in many ways on a hostile file; all refusals
+        raise CheckpointError(path, f"not a readable .npz file ({type(e).__name__}: {str(e)[:300]}).") from e
+
+
+def _npz_arrays(archive: zipfile.ZipFile, path: str | os.PathLike) -> Tensors:
+    out: Tensors = {}
+    for info in archive.infolist():
+        key = info.filename.removesuffix(".npy")
+        if key in out:
+            raise CheckpointError(path, "the archive holds this array twice.", key)
+        if info.compress_type != zipfile.ZIP_STORED and info.file_size > 100 * info.compress_size + 2**20:
+            raise CheckpointError(
+                path, f"claims {info.file_size:,} bytes from {info.compress_size:,} compressed: refused as a zip bomb.",
+                key,
+            )  # fmt: skip
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            if dtype.hasobject:
+                raise CheckpointError(path, "an object array (a pickle): refused, vitkit never unpickles.", key)
+            size = math.prod(shape) * dtype.itemsize
+            held = info.file_size - f.tell()
+            if size != held:
+                raise CheckpointError(
+                    path, f"the header claims shape {shape} of {dtype} ({size:,} bytes); the file holds {held:,}.", key
+                )
+            data = f.read(size)
+        if len(data) != size:
+            raise CheckpointError(path, f"truncated: {len(data):,} of {size:,} bytes.", key)
+        array = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape, order="F" if fortran else "C")
+        try:
+            out[key] = torch.from_numpy(np.ascontiguousarray(array))
+        except TypeError as e:
+            raise CheckpointError(path, f"arrays of dtype {dtype} cannot be weights ({e}).", key) from e
+    return out
 
 
 def read_torch(path: str | os.PathLike) -> Tensors:
     """A `.pth` / `.bin` state dict through `torch.load(weights_only=True)`: plain tensors only, no code runs."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint file.")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
-        raise ValueError(
-            f"{path}: refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
-            "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code."
+    except Exception as e:  # the weights-only unpickler of a hostile file can fail in many ways; all are refusals
+        raise CheckpointError(
+            path,
+            f"refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
+            "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code.",
         ) from e
-    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-        raise ValueError(f"{path}: expected a flat state dict of tensors, got {type(data).__name__} of other things.")
+    if not isinstance(data, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in data.items()):
+        raise CheckpointError(path, f"expected a flat state dict of named tensors, got a {type(data).__name__}.")
     return dict(data)

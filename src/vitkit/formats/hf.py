@@ -108,7 +108,7 @@ def infer_config(hf: dict, tensors: Tensors, path: Path, overrides: dict) -> ViT
         layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
         qkv_bias=hf.get("qkv_bias", True),
     )
-    return make_config(inferred, overrides, path)
+    return make_config(inferred, overrides, path, tensors)
 
 
 def class_names_of(hf: dict, num_classes: int) -> list[str] | None:
