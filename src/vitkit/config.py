@@ -39,6 +39,22 @@ def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int
     return value  # type: ignore[return-value]
 
 
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+
+
+def check_type(name: str, value: Any, annotation: str) -> None:
+    """A field's value against its annotation ("int", "float | None", ...): a ValueError naming both if it does not
+    fit, so that `hidden_size='abc'` is reported as such, not as a failed comparison deep inside."""
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    if value is None and "None" in kinds:
+        return
+    if not all(k in _TYPES or k == "None" for k in kinds):  # pairs, nested configs: checked by their own validation
+        return
+    wanted = tuple(t for k in kinds if k in _TYPES for t in _TYPES[k])
+    if isinstance(value, bool) and bool not in wanted or not isinstance(value, wanted):
+        raise ValueError(f"{name}={value!r} (a {type(value).__name__}) must be of type {annotation}.")
+
+
 def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is unknown: choose one of {', '.join(map(repr, allowed))}.")
@@ -103,6 +119,8 @@ class ViTConfig:
         object.__setattr__(self, "patch_size", _pair(self.patch_size, "patch_size"))
         if isinstance(self.hybrid, dict):
             object.__setattr__(self, "hybrid", ResNetConfig(**self.hybrid))
+        for f in dataclasses.fields(self):
+            check_type(f.name, getattr(self, f.name), f.type)
         _choice(self.classifier, CLASSIFIERS, "classifier")
         _choice(self.posemb, POSEMBS, "posemb")
         _choice(self.act, ACTS, "act")
@@ -130,9 +148,10 @@ class ViTConfig:
         stride = self.patch_stride
         for side, size, step in zip(("height", "width"), self.image_size, stride):
             if size % step:
+                valid = sorted({max(step, size // step * step), size // step * step + step})
                 raise ValueError(
                     f"image {side} {size} is not divisible by the patch stride {step} px: "
-                    f"use an image size that is a multiple of {step} (e.g. {max(step, size // step * step)})."
+                    f"use a multiple of {step}, e.g. {' or '.join(map(str, valid))}."
                 )
 
     @property

@@ -13,14 +13,20 @@ class CheckpointError(ValueError):
     non-finite weights. The message names the file and, where there is one, the key."""
 
     def __init__(self, path: str | os.PathLike, message: str, key: str | None = None):
-        self.path, self.key = str(path), key
+        self.path, self.key, self.reason = str(path), key, message
         where = f"{path}" + (f" [{key}]" if key is not None else "")
         super().__init__(f"{where}: {message}")
+
+    def __reduce__(self):  # picklable, so it crosses from DataLoader workers intact
+        return type(self), (self.path, self.reason, self.key)
 
 
 class ImageError(ValueError):
     """An image file that cannot be used: not an image, truncated, empty, or too large to decode safely."""
 
     def __init__(self, path: str | os.PathLike, message: str):
-        self.path = str(path)
+        self.path, self.reason = str(path), message
         super().__init__(f"{path}: {message}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason)

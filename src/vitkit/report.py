@@ -20,7 +20,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from . import inspect as vi
-from .data import DATASETS, get_dataset, read_image, to_input
+from .data import DATASETS, get_dataset, to_input
+from .errors import ImageError
+from .images import SkipLog, read_image
 from .model import VisionTransformer
 
 DPI = 100
@@ -43,12 +45,25 @@ class Samples:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def load_images(paths: list[str | os.PathLike], model: VisionTransformer) -> Samples:
+def load_images(paths: list[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
     """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
-    (aspect ratio not kept), normalised with `to_input`."""
+    (aspect ratio not kept), normalised with `to_input`. Unreadable files are skipped with a warning naming
+    each (with `strict`, the first is an ImageError); none readable is an error."""
     mode = "L" if model.config.in_chans == 1 else "RGB"
-    images = [to_input(read_image(path, mode), model.config.image_size, model.config.in_chans) for path in paths]
-    return Samples(torch.cat(images), [Path(p).name for p in paths])
+    images, titles, skipped = [], [], SkipLog()
+    for path in paths:
+        try:
+            image = read_image(path, mode)
+        except ImageError as e:
+            if strict:
+                raise
+            skipped.add(e)
+            continue
+        images.append(to_input(image, model.config.image_size, model.config.in_chans))
+        titles.append(Path(path).name)
+    if not images:
+        raise ValueError(f"none of the {len(paths)} image file(s) could be read: {'; '.join(skipped.files.values())}")
+    return Samples(torch.cat(images), titles)
 
 
 def dataset_samples(name: str, count: int, model: VisionTransformer, split: str = "test") -> Samples:
