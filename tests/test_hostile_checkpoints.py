@@ -226,8 +226,8 @@ def files_of(path: Path) -> list[Path]:
 
 def json_values():
     scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
-                                                                                             max_size=3), max_leaves=6)  # fmt: skip
+    containers = lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    return st.recursive(scalars, containers, max_leaves=6)
 
 
 @st.composite
