@@ -224,6 +224,11 @@ def export(model: VisionTransformer, path: str | os.PathLike, format: str = FORM
     "npz" (the official layout). Class names travel in vitkit and timm metadata and in Hugging Face's id2label."""
     from . import formats
 
+    path = Path(path)
+    if format == "hf" and path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file, and the Hugging Face format is a directory: give a new path.")
+    if format != "hf" and path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, and the {format} format is one file: give a file path.")
     if format == FORMAT:
         save(model, path)
     elif format in formats.MODULES:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
+from .errors import WorkerError
 from .recipes import FINETUNE_DEFAULTS, TrainConfig, field_types
 
 
@@ -29,7 +31,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Load a checkpoint of any format and write it in another."""
-    model = load_checkpoint(args.src, format=args.format)
+    model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
     export(model, args.dst, format=args.to)
     c = model.config
     shape = f"{c.num_layers} layers, D={c.hidden_size}, {c.num_heads} heads, patch {c.patch_size}, {c.image_size} px"
@@ -41,9 +43,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
     from .report import dataset_samples, load_images, write_report
 
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite)
     if args.image:
-        samples = load_images(args.image, model)
+        samples = load_images(args.image, model, strict=args.strict)
     else:
         samples = dataset_samples(args.data, args.samples, model, split=args.split)
     path = write_report(model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}")
@@ -77,9 +79,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import get_dataset
     from .evaluate import evaluate, format_eval
 
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
-    dataset = get_dataset(args.data, args.split, **kwargs)
+    dataset = get_dataset(args.data, args.split, strict=args.strict, **kwargs)
     if len(dataset.classes) != model.config.num_classes:
         raise ValueError(
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
@@ -88,6 +90,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
+    if getattr(dataset, "skipped", None):
+        print(dataset.skipped.summary())
     return 0
 
 
@@ -95,9 +99,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
     from .evaluate import predict
 
-    model = load_checkpoint(args.checkpoint)
-    for path, top in zip(args.images, predict(model, args.images, args.top_k)):
-        print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
+    model = load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite)
+    results = predict(model, args.images, args.top_k, strict=args.strict)
+    for path, top in zip(args.images, results):
+        if top is not None:
+            print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
+    skipped = sum(top is None for top in results)
+    if skipped:
+        print(f"{skipped} unreadable image file(s) skipped")
     return 0
 
 
@@ -113,7 +122,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
                            help=f"{text}")  # fmt: skip
         elif kind in (bool, bool | None):
-            p.add_argument(flag, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
+            p.add_argument(flag, dest=name, type=_boolean, nargs="?", const=True, default=argparse.SUPPRESS,
+                           metavar="true|false", help=text)  # fmt: skip
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
             item = int if kind == tuple[int, int] | None else float
             p.add_argument(flag, dest=name, type=item, nargs=2, default=argparse.SUPPRESS, help=text)
@@ -144,8 +154,21 @@ def _boolean(text: str) -> bool:
     return text.lower() in ("true", "1", "yes")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one `--help` away), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_reading_options(p: argparse.ArgumentParser, images: bool = True) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint with NaN/Inf weights (warns)")
+    if images:
+        p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: skip it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    parser = _Parser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("models", help="table of the model variants (paper Table 1) with params and GFLOPs")
@@ -158,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output file (a directory for --to hf)")
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
     p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
+    _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
@@ -168,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
     p.add_argument("--split", default="test", help="split of --data (default test)")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
+    _add_reading_options(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
@@ -184,20 +209,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=("train", "test"))
     p.add_argument("--batch-size", type=int, default=1000)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    _add_reading_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
     p.add_argument("--checkpoint", required=True, help="model file with class names (as `vitkit train` saves)")
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("images", nargs="+", metavar="IMAGE")
+    _add_reading_options(p)
     p.set_defaults(func=cmd_predict)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a value, a file): one line and exit status 2; a failure of the machine (a full disk, a dead
+    data worker): one line and exit status 1. Warnings (a skipped image, say) are one line each."""
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, WorkerError) as e:
+        print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
+        return 1

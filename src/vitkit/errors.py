@@ -30,3 +30,7 @@ class ImageError(ValueError):
 
     def __reduce__(self):
         return type(self), (self.path, self.reason)
+
+
+class WorkerError(RuntimeError):
+    """A DataLoader worker process died (killed, out of memory): reported at once instead of waited on."""

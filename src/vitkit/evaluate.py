@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from .augment import eval_batch
 from .data import ImageArrayDataset
 from .distributed import World, all_reduce_sum
-from .errors import ImageError
+from .errors import ImageError, WorkerError
 from .images import SkipLog, read_image
 from .model import VisionTransformer
 
@@ -77,7 +77,7 @@ def batches(dataset: Dataset, index_batches: list[list[int]], workers: int = 0):
     except RuntimeError as e:
         if "DataLoader worker" not in str(e):
             raise
-        raise RuntimeError(
+        raise WorkerError(
             f"a data-loading worker process died ({e}). If memory ran out, lower --workers; --workers 0 decodes "
             "in the main process, where an error names its file."
         ) from e

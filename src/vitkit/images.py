@@ -35,8 +35,8 @@ def _open(path: str | os.PathLike, max_pixels: int):
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             im = Image.open(path)
-        except Image.DecompressionBombError as e:
-            raise ImageError(path, f"{e} Refused without decoding.") from e
+        except Image.DecompressionBombError as e:  # PIL's own refusal, at twice its threshold
+            raise ImageError(path, f"{e}: refused without decoding, more than the limit of {max_pixels:,}.") from e
         except (UnidentifiedImageError, OSError, ValueError) as e:
             raise ImageError(path, f"not an image PIL can read ({e}). Use a PNG or JPEG file.") from e
     width, height = im.size

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from . import inspect as vi
+from .checkpoints import atomic_write
 from .data import DATASETS, get_dataset, to_input
 from .errors import ImageError
 from .images import SkipLog, read_image
@@ -353,6 +354,8 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
     """Compute every figure of `vitkit.inspect` for `model` on `samples`, write each as a PNG into `out_dir`
     and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file."""
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: the report is a folder (PNGs and report.html); give a new path.")
     out.mkdir(parents=True, exist_ok=True)
     images, n = samples.images, samples.images.shape[0]
     rollouts = [vi.attention_rollout(model, image) for image in images]
@@ -364,7 +367,7 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
 
     def figure(name: str, heading: str, fig: Figure, caption: str) -> str:
         data = png_bytes(fig)
-        (out / f"{name}.png").write_bytes(data)
+        atomic_write(out / f"{name}.png", lambda tmp: Path(tmp).write_bytes(data))
         return _figure_html(name, data, heading, caption)
 
     parts = [_config_html(model)]
@@ -405,5 +408,5 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
         f"{html.escape(', '.join(samples.titles))}.</p>" + "".join(parts) + "</body></html>"
     )
     path = out / "report.html"
-    path.write_text(page, encoding="utf-8")
+    atomic_write(path, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     return path

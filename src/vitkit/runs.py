@@ -47,8 +47,10 @@ class RunDir:
         """Append one metrics record (and mirror its numbers to TensorBoard)."""
         if not self.enabled:
             return
-        with open(self.path / "metrics.jsonl", "a") as f:
+        with open(self.path / "metrics.jsonl", "a") as f:  # an append-only log: see truncate_metrics
             f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if self._tensorboard is not None:
             prefix = record.get("split", "train")
             for key, value in record.items():
@@ -83,8 +85,8 @@ def truncate_metrics(run_dir: str | os.PathLike, step: int) -> None:
     """Drop records written after `step` (logged after the last checkpoint by a run that was then killed)."""
     path = Path(run_dir) / "metrics.jsonl"
     if path.is_file():
-        kept = [json.dumps(r) for r in read_metrics(run_dir) if r["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = "".join(json.dumps(r) + "\n" for r in read_metrics(run_dir) if r["step"] <= step)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(kept))
 
 
 def default_run_dir(data: str) -> Path:
@@ -113,7 +115,7 @@ def plot_run(run_dir: str | os.PathLike, confusion: torch.Tensor | None, classes
     axes[0].legend()
     axes[2].legend()
     fig.tight_layout()
-    fig.savefig(Path(run_dir) / "curves.png", dpi=100)
+    atomic_write(Path(run_dir) / "curves.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     if confusion is None:
         return
@@ -132,5 +134,5 @@ def plot_run(run_dir: str | os.PathLike, confusion: torch.Tensor | None, classes
     ax.set_ylabel("true")
     ax.set_title("confusion matrix (test)")
     fig.tight_layout()
-    fig.savefig(Path(run_dir) / "confusion.png", dpi=100)
+    atomic_write(Path(run_dir) / "confusion.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
