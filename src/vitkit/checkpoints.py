@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ViTConfig, field_names
+from .config import ViTConfig, config_difference, field_names
 from .errors import CheckpointError
 from .model import VisionTransformer
 
@@ -212,7 +212,16 @@ def load_checkpoint(
     if format != FORMAT:
         return adapt(model, image_size, num_classes)
     if overrides:
-        tuned = VisionTransformer(model.config.replace(**overrides))
+        config = model.config.replace(**overrides)
+        with torch.device("meta"):
+            wanted = {k: v.shape for k, v in VisionTransformer(config).state_dict().items()}
+        if wanted != {k: v.shape for k, v in model.state_dict().items()}:
+            raise ValueError(
+                f"{path}: the overrides change the architecture of the checkpoint "
+                f"({config_difference(model.config, config)}, as saved != as asked): pass only fields "
+                "without weights (dropout, drop_path_rate, ...), or use adapt() for image_size and num_classes."
+            )
+        tuned = VisionTransformer(config)
         tuned.load_state_dict(model.state_dict(), strict=True)
         tuned.class_names = model.class_names
         model = tuned.eval()

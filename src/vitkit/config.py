@@ -192,6 +192,15 @@ class ViTConfig:
         return cls(**data)
 
 
+def config_difference(ours: ViTConfig, theirs: ViTConfig) -> str:
+    """The fields in which two configs differ, as 'name ours != theirs' (empty when they agree)."""
+    return ", ".join(
+        f"{f.name} {getattr(ours, f.name)!r} != {getattr(theirs, f.name)!r}"
+        for f in dataclasses.fields(ViTConfig)
+        if getattr(ours, f.name) != getattr(theirs, f.name)
+    )
+
+
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(ViTConfig)]
 
