@@ -77,8 +77,15 @@ def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl; a last line cut short by a killed process is left out."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    lines = [line for line in text.split("\n") if line.strip()]
+    if lines and not text.endswith("\n"):
+        lines.pop()  # written in part: its record is after the last checkpoint anyway
+    return [json.loads(line) for line in lines]
 
 
 def truncate_metrics(run_dir: str | os.PathLike, step: int) -> None:
