@@ -31,6 +31,8 @@ class RunDir:
         self._tensorboard = None
         if enabled:
             self.path.mkdir(parents=True, exist_ok=True)
+            for stale in self.path.glob(".*.tmp"):  # left by a write of a process that was killed
+                stale.unlink(missing_ok=True)
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
