@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 import vitkit
 from vitkit import formats
 from vitkit.errors import CheckpointError
+from vitkit.files import read_safetensors
 
 TINY = dict(image_size=16, hidden_size=16, num_layers=1, mlp_dim=32, num_heads=2, num_classes=3)
 # Where `vitkit.export` puts a sample of each format ("" = a directory). A new format module in the registry
@@ -75,7 +76,7 @@ def test_safetensors_with_a_duplicate_key_is_refused(tmp_path):
 def test_vitkit_file_whose_config_claims_a_huge_model_is_refused_before_building_it(tmp_path):
     path = tmp_path / "huge.safetensors"
     vitkit.export(tiny_model(), path)
-    tensors = vitkit.checkpoints.read_safetensors(path)[0]
+    tensors = read_safetensors(path)[0]
     claimed = {**TINY, "hidden_size": 2**16, "num_heads": 1, "mlp_dim": 2**16, "num_layers": 10**6}
     save_file(tensors, str(path), metadata={"format": "vitkit", "config": json.dumps(claimed)})
     before = peak_rss_mb()
@@ -115,7 +116,7 @@ def test_vitkit_file_with_a_wrong_dtype_shape_or_key_names_the_key(tmp_path, def
 def test_timm_file_with_integer_weights_names_the_tensor(tmp_path):
     path = tmp_path / "timm.safetensors"
     vitkit.export(tiny_model(), path, format="timm")
-    tensors, metadata = vitkit.checkpoints.read_safetensors(path)
+    tensors, metadata = read_safetensors(path)
     tensors["blocks.0.norm1.weight"] = tensors["blocks.0.norm1.weight"].to(torch.int32)
     save_file(tensors, str(path), metadata=metadata)
     with pytest.raises(CheckpointError, match=r"\[blocks\.0\.norm1\.weight\]: tensors of dtype torch\.int32"):
@@ -213,7 +214,7 @@ def sample(format: str, name: str, directory: Path) -> Path:
     path = directory / name
     if path.suffix == ".pth":  # timm's pickled state dict, read weights-only
         vitkit.export(tiny_model(), path.with_suffix(".safetensors"), format=format)
-        torch.save(vitkit.checkpoints.read_safetensors(path.with_suffix(".safetensors"))[0], path)
+        torch.save(read_safetensors(path.with_suffix(".safetensors"))[0], path)
         path.with_suffix(".safetensors").unlink()
     else:
         vitkit.export(tiny_model(), path, format=format)

@@ -16,7 +16,7 @@ import vitkit
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.errors import ImageError
-from vitkit.evaluate import evaluate
+from vitkit.evaluation import evaluate
 from vitkit.images import MAX_PIXELS, SkippedImageWarning, read_image
 
 BAD = ("truncated.jpg", "empty.jpg", "notes.png", "bomb.png")
@@ -188,7 +188,7 @@ def test_a_dead_dataloader_worker_is_reported_not_waited_on(tmp_path):
     import signal
 
     from vitkit.errors import WorkerError
-    from vitkit.evaluate import batches
+    from vitkit.evaluation import batches
 
     class Killer(torch.utils.data.Dataset):
         def __len__(self):

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import shapes_config
-from vitkit.checkpoints import atomic_write
+from test_training import shapes_config
 from vitkit.cli import main
+from vitkit.files import atomic_write
 from vitkit.runs import read_checkpoint, read_metrics
-from vitkit.train import train
+from vitkit.training import train
 
 
 def test_atomic_write_fsyncs_the_file_renames_then_fsyncs_the_directory(tmp_path, monkeypatch):

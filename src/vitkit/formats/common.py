@@ -7,22 +7,19 @@ applies the rules and reports every tensor of the file that is left over, missin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..checkpoints import check_plausible
-from ..config import ViTConfig, field_names
+from ..config import ViTConfig, check_fields
 from ..errors import CheckpointError
+from ..files import Tensors
 from ..model import VisionTransformer
-
-Tensors = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,7 @@ def fused_qkv(ours: str, q: str, k: str, v: str, split: Callable, merge: Callabl
 
 
 def shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """`t` itself if it has `shape`; otherwise a RuntimeError, which `build_model` reports as a shape mismatch."""
+    """`t` itself if it has `shape`; otherwise a RuntimeError, which `model_from_rules` reports as a shape mismatch."""
     if tuple(t.shape) != tuple(shape):
         raise RuntimeError(f"expected shape {tuple(shape)}, got {tuple(t.shape)}")
     return t
@@ -62,7 +59,7 @@ def _listing(names: list[str], limit: int = 12) -> str:
     return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
 
 
-def build_model(
+def model_from_rules(
     config: ViTConfig, rules: list[Rule], tensors: Tensors, path: str | os.PathLike, format: str
 ) -> VisionTransformer:
     """A model of `config` with its weights taken from `tensors` through `rules`, every tensor accounted for.
@@ -174,12 +171,10 @@ def make_config(
     inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike, tensors: Tensors
 ) -> ViTConfig:
     """The inferred config with the user's overrides on top, validated, and plausible for the file's size."""
-    unknown = sorted(set(overrides) - set(field_names()))
-    if unknown:
-        raise ValueError(f"unknown override(s) {unknown}; valid ViTConfig fields: {field_names()}.")
+    check_fields(ViTConfig, overrides)
     if not isinstance(inferred, dict):
         raise CheckpointError(path, f"the recorded config is a {type(inferred).__name__}, not a mapping of fields.")
-    unknown = sorted(set(inferred) - set(field_names()))
+    unknown = sorted(set(inferred) - {f.name for f in dataclasses.fields(ViTConfig)})
     if unknown:
         raise CheckpointError(path, f"the recorded config has unknown field(s) {unknown}.", key=unknown[0])
     try:
@@ -190,68 +185,18 @@ def make_config(
     return config
 
 
-def read_npz(path: str | os.PathLike) -> Tensors:
-    """Every array of an `.npz` file as a tensor. Each `.npy` header is checked against the bytes the archive
-    holds before anything is allocated; object arrays (pickles), duplicate names and zip bombs are refused."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint file.")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return _npz_arrays(archive, path)
-    except CheckpointError:
-        raise
-    except Exception as e:  # zipfile and numpy's header parser fail in many ways on a hostile file; all refusals
-        raise CheckpointError(path, f"not a readable .npz file ({type(e).__name__}: {str(e)[:300]}).") from e
+def check_plausible(config: ViTConfig, tensors: Tensors, path: str | os.PathLike) -> None:
+    """Refuse a recorded config that claims far more than the file holds, before any model is built from it.
 
-
-def _npz_arrays(archive: zipfile.ZipFile, path: str | os.PathLike) -> Tensors:
-    out: Tensors = {}
-    for info in archive.infolist():
-        key = info.filename.removesuffix(".npy")
-        if key in out:
-            raise CheckpointError(path, "the archive holds this array twice.", key)
-        if info.compress_type != zipfile.ZIP_STORED and info.file_size > 100 * info.compress_size + 2**20:
-            raise CheckpointError(
-                path, f"claims {info.file_size:,} bytes from {info.compress_size:,} compressed: refused as a zip bomb.",
-                key,
-            )  # fmt: skip
-        with archive.open(info) as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            else:
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            if dtype.hasobject:
-                raise CheckpointError(path, "an object array (a pickle): refused, vitkit never unpickles.", key)
-            size = math.prod(shape) * dtype.itemsize
-            held = info.file_size - f.tell()
-            if size != held:
-                raise CheckpointError(
-                    path, f"the header claims shape {shape} of {dtype} ({size:,} bytes); the file holds {held:,}.", key
-                )
-            data = f.read(size)
-        if len(data) != size:
-            raise CheckpointError(path, f"truncated: {len(data):,} of {size:,} bytes.", key)
-        array = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape, order="F" if fortran else "C")
-        try:
-            out[key] = torch.from_numpy(np.ascontiguousarray(array))
-        except TypeError as e:
-            raise CheckpointError(path, f"arrays of dtype {dtype} cannot be weights ({e}).", key) from e
-    return out
-
-
-def read_torch(path: str | os.PathLike) -> Tensors:
-    """A `.pth` / `.bin` state dict through `torch.load(weights_only=True)`: plain tensors only, no code runs."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint file.")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # the weights-only unpickler of a hostile file can fail in many ways; all are refusals
+    The bound is a lower one on the parameters (qkv, proj, MLP per layer; a learned posemb), so a real file
+    always passes, and a file of a few bytes cannot make vitkit allocate a model of billions of parameters."""
+    held = sum(t.numel() for t in tensors.values())
+    d, layers, mlp = config.hidden_size, config.num_layers, config.mlp_dim
+    claimed = layers * (4 * d * d + 2 * d * mlp) + (config.num_patches * d if config.posemb.startswith("learn") else 0)
+    if claimed > held:
         raise CheckpointError(
-            path,
-            f"refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
-            "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code.",
-        ) from e
-    if not isinstance(data, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in data.items()):
-        raise CheckpointError(path, f"expected a flat state dict of named tensors, got a {type(data).__name__}.")
-    return dict(data)
+            path, f"the config claims at least {claimed:,} weights (num_layers={layers}, hidden_size={d}, "
+            f"mlp_dim={mlp}, image_size={config.image_size}); the file holds {held:,} values.",
+        )  # fmt: skip
+    if config.num_tokens * d > max(held, 2**26):
+        raise CheckpointError(path, f"image_size={config.image_size} gives {config.num_tokens:,} tokens: refused.")

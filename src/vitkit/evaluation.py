@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from .augment import eval_batch
-from .data import ImageArrayDataset
+from .data import ImageArrayDataset, LabelledDataset
 from .distributed import World, all_reduce_sum
 from .errors import ImageError, WorkerError
 from .images import SkipLog, read_image
@@ -54,7 +54,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def batches(dataset: Dataset, index_batches: list[list[int]], workers: int = 0):
+def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: int = 0):
     """Yield (uint8 images, labels) for each list of indices. In-memory splits are sliced directly; others are
     decoded by a DataLoader (with `workers` processes), images of different sizes then come as a list. Samples
     whose file failed to decode are dropped from their batch and logged in `dataset.skipped` (one warning each);
@@ -65,8 +65,12 @@ def batches(dataset: Dataset, index_batches: list[list[int]], workers: int = 0):
             yield dataset.images[index], dataset.labels[index]
         return
     # Its own generator: creating the loader then draws no number from the global RNG (exact resumption).
-    loader = DataLoader(
-        dataset, batch_sampler=index_batches, num_workers=workers, collate_fn=_collate, generator=torch.Generator()
+    loader: DataLoader = DataLoader(
+        dataset,  # type: ignore[arg-type]  # a map-style dataset; torch types it as its own Dataset class
+        batch_sampler=index_batches,
+        num_workers=workers,
+        collate_fn=_collate,
+        generator=torch.Generator(),
     )
     skipped = getattr(dataset, "skipped", None)
     try:
@@ -95,7 +99,7 @@ def _collate(samples: list[tuple[torch.Tensor | ImageError, int]]):
 @torch.no_grad()
 def evaluate(
     model: VisionTransformer,
-    dataset: Dataset,
+    dataset: LabelledDataset,
     *,
     batch_size: int = 1000,
     precision: str = "fp32",
