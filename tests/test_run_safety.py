@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_training import shapes_config
+from test_training import TINY, shapes_config
+from vitkit.checkpoints import load_checkpoint
 from vitkit.cli import main
 from vitkit.files import atomic_write
 from vitkit.runs import read_checkpoint, read_metrics
@@ -144,3 +145,128 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint_and_resum
     train_steps = [r["step"] for r in read_metrics(run_dir) if r["split"] == "train"]
     assert train_steps == list(range(1, KILL_RUN["steps"] + 1))  # every step logged once, none twice
     print(f"20 SIGKILLs at steps {steps} in {killed_seconds:.1f} s")
+
+
+# --- run directories, numerics, determinism ------------------------------------------------------------------
+
+
+def test_a_run_directory_holding_a_run_is_never_overwritten(tmp_path, capsys):
+    stopped = train(shapes_config(tmp_path / "run", steps=6), stop_after=2)
+    assert stopped.interrupted
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    with pytest.raises(FileExistsError, match=r"run already holds a run \(step 2 of 6 saved\): continue it with "
+                       r"`vitkit train --resume .*run`, or pass --overwrite"):  # fmt: skip
+        train(shapes_config(tmp_path / "run", steps=6))
+    status = main(["train", "--data", "shapes", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "--resume" in err
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before  # untouched
+
+    again = train(shapes_config(tmp_path / "run", steps=3, overwrite=True))
+    assert again.step == 3 and not again.interrupted
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"] == [1, 2, 3]  # only the new
+    with pytest.raises(FileExistsError, match=r"already holds a finished run"):
+        train(shapes_config(tmp_path / "run", steps=3))
+
+
+@pytest.fixture
+def nan_at_step_5(monkeypatch):
+    """The input of step 5 becomes NaN (so its loss and gradients are)."""
+    from vitkit import training
+
+    real, calls = training.train_batch, {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        x, targets = real(*args, **kwargs)
+        calls["n"] += 1
+        return (torch.full_like(x, float("nan")) if calls["n"] == 5 else x), targets
+
+    monkeypatch.setattr(training, "train_batch", poisoned)
+
+
+def test_a_nan_loss_stops_the_run_at_its_step_and_the_last_good_checkpoint_stays_newest(tmp_path, nan_at_step_5):
+    from vitkit.errors import NonFiniteError
+
+    config = shapes_config(tmp_path / "run", steps=8, eval_every=0.34)  # 6 steps per epoch: a checkpoint every 2
+    with pytest.raises(NonFiniteError, match=r"step 5: non-finite loss \(loss nan, .*newest checkpoint, step 4, is "
+                       r"the last good state: continue with `vitkit train --resume"):  # fmt: skip
+        train(config)
+    state = read_checkpoint(tmp_path / "run")
+    assert state["step"] == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_nonfinite_skip_skips_the_step_and_counts_it(tmp_path, nan_at_step_5):
+    import json
+
+    result = train(shapes_config(tmp_path / "run", steps=8, nonfinite="skip"))
+    assert result.step == 8 and result.skipped_steps == 1
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_steps"] == 1
+    model = load_checkpoint(tmp_path / "run" / "model.safetensors")  # finite, or load_checkpoint would refuse it
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_same_seed_and_config_on_cpu_give_the_same_metrics_byte_for_byte_apart_from_timing(tmp_path):
+    import re
+
+    for name in ("a", "b"):
+        train(shapes_config(tmp_path / name, steps=6, eval_every=0.34, model_args={**TINY, "drop_path_rate": 0.1}))
+    timing = re.compile(r', "images_per_s": [0-9.e+-]+')  # the one timing field of metrics.jsonl
+    a, b = ((tmp_path / name / "metrics.jsonl").read_text() for name in ("a", "b"))
+    assert timing.sub("", a) == timing.sub("", b) and len(a.splitlines()) == 6 + 3
+    assert "images_per_s" in a and timing.sub("", a) != a
+
+
+# --- a long run ---------------------------------------------------------------------------------------------------
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def children() -> list[int]:
+    """Live processes whose parent is this one."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.slow
+def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_path):
+    import threading
+    import time
+
+    spec = dict(steps=None, epochs=16, eval_every=1, workers=2, log_every=3)  # evaluation + checkpoint every epoch
+    train(shapes_config(tmp_path / "warm", **{**spec, "epochs": 1}))  # thread pools, lazy imports
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    samples, done = [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(rss_mb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    result = train(shapes_config(tmp_path / "soak", **spec))
+    done.set()
+    sampler.join()
+    assert result.step == 16 * 6 and len(read_metrics(tmp_path / "soak")) == 16 * 2 + 16
+    quarter = len(samples) // 4
+    early, late = sorted(samples[quarter : 2 * quarter]), sorted(samples[3 * quarter :])
+    growth = late[len(late) // 2] - early[len(early) // 2]
+    print(f"soak: {len(samples)} RSS samples, median {early[len(early) // 2]:.0f} MB in the 2nd quarter, "
+          f"{late[len(late) // 2]:.0f} MB in the 4th: growth {growth:+.1f} MB")  # fmt: skip
+    assert growth < 20
+    assert len(os.listdir("/proc/self/fd")) == fds  # no file left open
+    assert threading.active_count() == threads  # no thread left running
+    assert children() == []  # no DataLoader worker left behind

@@ -10,7 +10,7 @@ import warnings
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
-from .errors import WorkerError
+from .errors import NonFiniteError, WorkerError
 from .recipes import FINETUNE_DEFAULTS, TrainConfig, field_types
 
 
@@ -229,12 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     """Bad input (a value, a file): one line and exit status 2; a failure of the machine (a full disk, a dead
     data worker): one line and exit status 1. Warnings (a skipped image, say) are one line each."""
     args = build_parser().parse_args(argv)
+    formatwarning = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (OSError, WorkerError) as e:
+    except (OSError, WorkerError, NonFiniteError) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        warnings.formatwarning = formatwarning

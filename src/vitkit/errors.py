@@ -34,3 +34,7 @@ class ImageError(ValueError):
 
 class WorkerError(RuntimeError):
     """A DataLoader worker process died (killed, out of memory): reported at once instead of waited on."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a NaN or infinite loss or gradient and stopped; the last checkpoint is the last good state."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,35 @@ class RunDir:
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT, "model.safetensors", "best.safetensors", "summary.json",
+             "curves.png", "confusion.png")  # fmt: skip
+
+
+def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True) -> None:
+    """Make sure a new run does not write over one already in `path`: refuse, pointing to --resume, or (with
+    `overwrite`) remove the old run's files first (by the main process)."""
+    path = Path(path)
+    found = [name for name in RUN_FILES if (path / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        where = "a finished run" if "model.safetensors" in found else "a run"
+        if CHECKPOINT in found:
+            try:
+                state = torch.load(path / CHECKPOINT, map_location="cpu", weights_only=True)
+                where = f"{where} (step {state['step']} of {state['total_steps']} saved)"
+            except Exception:  # an unreadable checkpoint: the refusal stands, without the step
+                pass
+        raise FileExistsError(
+            f"{path} already holds {where}: continue it with `vitkit train --resume {path}`, or pass --overwrite "
+            "to replace it, or choose another --out-dir."
+        )
+    if is_main:
+        for name in found:
+            (path / name).unlink()
+        shutil.rmtree(path / "tensorboard", ignore_errors=True)
 
 
 def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
