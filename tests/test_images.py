@@ -199,3 +199,22 @@ def test_a_dead_dataloader_worker_is_reported_not_waited_on(tmp_path):
 
     with pytest.raises(WorkerError, match=r"a data-loading worker process died .*--workers"):
         list(batches(Killer(), [[0, 1], [2, 3]], workers=1))
+
+
+def test_training_on_an_image_folder_skips_bad_files_and_counts_them_in_the_summary(tmp_path):
+    import json
+
+    from vitkit.recipes import TrainConfig
+    from vitkit.training import train
+
+    root = image_folder(tmp_path / "folder")
+    spec = dict(data="imagefolder", data_dir=str(root), image_size=16, model="ViT-Ti/8", batch_size=4, steps=6,
+                model_args={"hidden_size": 8, "num_layers": 1, "mlp_dim": 8, "num_heads": 2}, threads=1,
+                out_dir=str(tmp_path / "run"))  # fmt: skip
+    with pytest.warns(SkippedImageWarning):
+        result = train(TrainConfig(**spec))
+    assert result.step == 6 and result.final.count == 14
+    # 4 bad files in each split: 3 found when listed, the truncated one when decoded (6 steps cover each image).
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_images"] == 8
+    with pytest.raises(ImageError, match=r"train/a/(bomb\.png|empty\.jpg|notes\.png)"):
+        train(TrainConfig(**{**spec, "strict": True, "out_dir": str(tmp_path / "strict")}))
