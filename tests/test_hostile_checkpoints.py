@@ -297,3 +297,19 @@ def test_fuzzed_checkpoints_raise_only_checkpoint_error(tmp_path_factory, format
     print(f"{name}: {outcomes}, peak RSS +{peak_rss_mb() - before:.0f} MB")
     assert outcomes["refused"] > 100  # the mutations reached the readers
     assert peak_rss_mb() - before < 300
+
+
+def test_hugging_face_shard_index_naming_a_file_outside_the_directory_or_a_key_twice_is_refused(tmp_path):
+    directory = tmp_path / "hf"
+    vitkit.export(tiny_model(), directory, format="hf")
+    tensors = read_safetensors(directory / "model.safetensors")[0]
+    (directory / "model.safetensors").unlink()
+    save_file(tensors, str(directory / "a.safetensors"))
+    save_file({"classifier.bias": tensors["classifier.bias"]}, str(directory / "b.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
+    with pytest.raises(CheckpointError, match=r"index\.json: shards must be files of the directory itself"):
+        vitkit.load_checkpoint(directory)
+    index.write_text(json.dumps({"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"b\.safetensors \[classifier\.bias\]: holds a tensor another shard"):
+        vitkit.load_checkpoint(directory)
