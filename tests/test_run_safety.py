@@ -115,6 +115,7 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint_and_resum
     fork = multiprocessing.get_context("fork")
     run_dir = tmp_path / "killed"
     config = TrainConfig(**KILL_RUN, out_dir=str(run_dir))
+    train(config.replace(out_dir=str(tmp_path / "warm"), steps=2))  # what a run imports, the children inherit
     checkpoint = run_dir / "checkpoint.pt"
     rng, steps, began = random.Random(0), [], time.perf_counter()
     while len(steps) < 20:
