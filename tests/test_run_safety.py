@@ -117,17 +117,28 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint_and_resum
     config = TrainConfig(**KILL_RUN, out_dir=str(run_dir))
     train(config.replace(out_dir=str(tmp_path / "warm"), steps=2))  # what a run imports, the children inherit
     checkpoint = run_dir / "checkpoint.pt"
-    rng, steps, began = random.Random(0), [], time.perf_counter()
+    rng, steps, mid_write, began = random.Random(0), [], 0, time.perf_counter()
     while len(steps) < 20:
         written = checkpoint.stat().st_mtime_ns if checkpoint.exists() else 0
         child = fork.Process(target=_train_in_child, args=(config if not steps else None, run_dir if steps else None))
         child.start()
         # Kill at a random moment after this session has saved a checkpoint of its own (so every session makes
-        # progress): within the next two steps, often while the next checkpoint is being written.
+        # progress), counted in steps so that it does not depend on the machine's speed: right after that
+        # checkpoint, or after the next step, or (every third time) as soon as the next checkpoint's temporary
+        # file appears, in the middle of writing it.
         while child.is_alive() and not (checkpoint.exists() and checkpoint.stat().st_mtime_ns != written):
-            time.sleep(0.002)
+            time.sleep(0.001)
         assert child.is_alive(), "the run finished before 20 kills: give it more steps"
-        time.sleep(rng.uniform(0.0, 0.1))
+        if len(steps) % 3 == 2:
+            deadline = time.perf_counter() + 5.0
+            while not list(run_dir.glob(".checkpoint.pt.*.tmp")) and time.perf_counter() < deadline:
+                time.sleep(0.0002)
+            mid_write += bool(list(run_dir.glob(".checkpoint.pt.*.tmp")))
+        elif rng.random() < 0.5:
+            target = read_checkpoint(run_dir)["step"] + 1
+            while child.is_alive() and not any(r["step"] >= target for r in read_metrics(run_dir)):
+                time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.005))
         os.kill(child.pid, signal.SIGKILL)
         child.join()
         assert child.exitcode == -signal.SIGKILL
@@ -145,7 +156,7 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint_and_resum
     assert killed.keys() == whole.keys() and all(torch.equal(killed[k], whole[k]) for k in killed)
     train_steps = [r["step"] for r in read_metrics(run_dir) if r["split"] == "train"]
     assert train_steps == list(range(1, KILL_RUN["steps"] + 1))  # every step logged once, none twice
-    print(f"20 SIGKILLs at steps {steps} in {killed_seconds:.1f} s")
+    print(f"20 SIGKILLs ({mid_write} while a checkpoint was being written) at steps {steps} in {killed_seconds:.1f} s")
 
 
 # --- run directories, numerics, determinism ------------------------------------------------------------------

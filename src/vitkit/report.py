@@ -81,6 +81,10 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
     dataset = get_dataset(name, split, **kwargs)
     count = min(count, len(dataset))
     raw = [dataset[i] for i in range(count)]
+    for image, _ in raw:
+        if isinstance(image, ImageError):  # an image file that failed to decode: logged, left out
+            dataset.skipped.add(image)
+    raw = [sample for sample in raw if not isinstance(sample[0], ImageError)]
     images = torch.cat([to_input(img, model.config.image_size, model.config.in_chans) for img, _ in raw])
     labels = [int(label) for _, label in raw]
     classes = getattr(dataset, "classes", None)
