@@ -154,6 +154,7 @@ def tiny_checkpoint(tmp_path) -> Path:
     return tmp_path / "m.safetensors"
 
 
+@pytest.mark.slow
 def test_eval_predict_and_inspect_skip_bad_files_and_count_them_or_fail_when_strict(tmp_path, tiny_checkpoint, capsys):
     root = image_folder(tmp_path / "folder")
     checkpoint = str(tiny_checkpoint)
@@ -201,6 +202,7 @@ def test_a_dead_dataloader_worker_is_reported_not_waited_on(tmp_path):
         list(batches(Killer(), [[0, 1], [2, 3]], workers=1))
 
 
+@pytest.mark.slow
 def test_training_on_an_image_folder_skips_bad_files_and_counts_them_in_the_summary(tmp_path):
     import json
 

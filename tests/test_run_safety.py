@@ -59,6 +59,7 @@ def test_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path):
     assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}]
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_training_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
     stopped = train(shapes_config(tmp_path / "run", steps=8), stop_after=3)
     assert stopped.interrupted and read_checkpoint(tmp_path / "run")["step"] == 3
@@ -162,6 +163,7 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint_and_resum
 # --- run directories, numerics, determinism ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_directory_holding_a_run_is_never_overwritten(tmp_path, capsys):
     stopped = train(shapes_config(tmp_path / "run", steps=6), stop_after=2)
     assert stopped.interrupted
@@ -208,6 +210,7 @@ def test_a_nan_loss_stops_the_run_at_its_step_and_the_last_good_checkpoint_stays
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_skips_the_step_and_counts_it(tmp_path, nan_at_step_5):
     import json
 
@@ -218,6 +221,7 @@ def test_nonfinite_skip_skips_the_step_and_counts_it(tmp_path, nan_at_step_5):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_same_seed_and_config_on_cpu_give_the_same_metrics_byte_for_byte_apart_from_timing(tmp_path):
     import re
 
