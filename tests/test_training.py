@@ -176,3 +176,22 @@ def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsy
     assert len(lines) == 3 and all(line.count("%") == 2 for line in lines)
     assert main(["eval", "--checkpoint", model_path, "--data", "shapes"]) == 2  # 10 classes vs 6: a clear error
     assert "fine-tune it first" in capsys.readouterr().err
+
+
+def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_every_sessions_wall_time(
+    tmp_path, capsys
+):
+    run = tmp_path / "run"
+    assert train(shapes_config(run), stop_after=4).interrupted
+    first_wall = read_checkpoint(run)["wall_elapsed"]
+    assert first_wall > 0
+    assert main(["train", "--resume", str(run), "--steps", "12", "--lr", "5", "--optimizer", "sgd"]) == 2
+    assert "so lr, optimizer cannot change" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--steps", "12", "--log-every", "3"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == summary["total_steps"] == 12
+    assert summary["wall_seconds"] > first_wall  # both sessions, not only the last
+    steps = [r["step"] for r in read_metrics(run) if r["split"] == "train"]
+    assert steps == [1, 2, 3, 4, 6, 9, 12]  # logged every step, then every third after the resume
+    seen = vitkit.load_checkpoint(run / "model.safetensors").trained_on
+    assert seen == {"data": "shapes", "grayscale": False, "image_size": [16, 16]}  # for predict's notes

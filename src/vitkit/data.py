@@ -356,7 +356,8 @@ IMAGE_SUFFIXES = SUFFIXES
 
 class ImageFolder(Dataset):
     """`root/<class>/<image>` files, decoded on demand. Splits: `root/train` and `root/val` (or `root/test`)
-    when present, otherwise a deterministic `val_fraction` of each class is held out for `test`."""
+    when present, otherwise a deterministic `val_fraction` of each class is held out for `test`: at least one
+    image of every class with two or more, so that 5 images a class and the default 10% still give a test split."""
 
     crop_scale, flip = (0.05, 1.0), True
 
@@ -385,7 +386,8 @@ class ImageFolder(Dataset):
                 if not 0.0 < val_fraction < 1.0:
                     raise ValueError(f"val_fraction={val_fraction} must be in (0, 1).")
                 order = np.random.default_rng(label).permutation(len(files))
-                n_test = int(round(val_fraction * len(files)))
+                # At least one image of each class held out (and one kept), however small the class.
+                n_test = min(max(int(round(val_fraction * len(files))), 1), len(files) - 1) if len(files) > 1 else 0
                 keep = order[n_test:] if split == "train" else order[:n_test]
                 files = [files[i] for i in sorted(keep)]
             self.samples += [(f, label) for f in files if self._usable(f)]
@@ -438,6 +440,20 @@ DATASETS: dict[str, Callable[..., LabelledDataset]] = {
     "imagefolder": ImageFolder,
     "shapes": ShapesDataset,
 }
+
+
+def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:
+    """What a model trained on `dataset` has seen, for `predict` to notice inputs unlike it: the dataset's
+    `name`, whether its images are `grayscale` (one channel, or three equal ones) and their typical
+    `image_size` [H, W] (the first `probe` images' median, for datasets decoded from files)."""
+    images: list[torch.Tensor] | torch.Tensor
+    if isinstance(dataset, ImageArrayDataset):
+        images = dataset.images[:probe]
+    else:
+        images = [dataset[i][0] for i in range(min(probe, len(dataset)))]
+    gray = all(im.shape[0] == 1 or bool((im == im[:1]).all()) for im in images)
+    sizes = sorted(tuple(im.shape[-2:]) for im in images)
+    return {"data": name, "grayscale": gray, "image_size": list(sizes[len(sizes) // 2])}
 
 
 def dataset_augmentation(dataset: Dataset) -> tuple[tuple[float, float], bool]:

@@ -115,7 +115,11 @@ def _npz_arrays(archive: zipfile.ZipFile, path: str | os.PathLike) -> Tensors:
             else:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
             if dtype.hasobject:
-                raise CheckpointError(path, "an object array (a pickle): refused, vitkit never unpickles.", key)
+                raise CheckpointError(
+                    path, "holds object arrays (pickled Python objects), which vitkit never loads because unpickling "
+                    "runs code; a ViT checkpoint has numeric arrays only. Re-save it from its own trusted code without "
+                    "them.", key,
+                )  # fmt: skip
             size = math.prod(shape) * dtype.itemsize
             held = info.file_size - f.tell()
             if size != held:

@@ -354,16 +354,47 @@ th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; } th { back
 """
 
 
-def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.PathLike, title: str = "") -> Path:
+def occlusion_plan(model: VisionTransformer, images: int, stride: int | None = None) -> str:
+    """What the occlusion maps will cost, said before they are computed: forward passes in all, and how a
+    coarser `stride` would cut them."""
+    patch = model.config.patch_stride[0]
+    stride = stride or max(patch // 2, 1)
+    windows = len(vi.occlusion_windows(model.config.image_size, patch, stride))
+    text = (
+        f"occlusion: {images} image(s) x {windows:,} windows = {images * windows:,} forward passes "
+        f"({patch} px window, --stride {stride})"
+    )
+    coarser = min(2 * stride, patch)
+    if coarser > stride:
+        fewer = len(vi.occlusion_windows(model.config.image_size, patch, coarser))
+        text += f"; --stride {coarser} takes {images * fewer:,}"
+    return text
+
+
+def write_report(
+    model: VisionTransformer,
+    samples: Samples,
+    out_dir: str | os.PathLike,
+    title: str = "",
+    stride: int | None = None,
+    progress: bool = False,
+) -> Path:
     """Compute every figure of `vitkit.analysis` for `model` on `samples`, write each as a PNG into `out_dir`
-    and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file."""
+    and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file. `stride` is the
+    occlusion windows' (default: half a patch); `progress` shows a bar of the occlusion forward passes on a
+    terminal."""
+    from tqdm import tqdm
+
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file: the report is a folder (PNGs and report.html); give a new path.")
     out.mkdir(parents=True, exist_ok=True)
     images, n = samples.images, samples.images.shape[0]
     rollouts = [vi.attention_rollout(model, image) for image in images]
-    occlusions = [vi.occlusion_sensitivity(model, image) for image in images]
+    patch = model.config.patch_stride[0]
+    windows = len(vi.occlusion_windows(model.config.image_size, patch, stride or max(patch // 2, 1)))
+    with tqdm(total=n * windows, desc="occlusion", unit="pass", disable=None if progress else True) as bar:
+        occlusions = [vi.occlusion_sensitivity(model, image, stride=stride, on_batch=bar.update) for image in images]
     maps = vi.attention_maps(model, images[0])
     distance = vi.mean_attention_distance(model, images)
     uniform = float(vi.patch_distances(model.config.grid_size, model.config.patch_stride).mean())
@@ -399,6 +430,11 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
         parts.append(figure("posemb_similarity", "Position embedding similarity", fig, CAPTIONS["posemb_similarity"]))
     if filters.image_like:
         caption = CAPTIONS["embedding_filters"].format(note=html.escape(filters.note))
+        if model.config.in_chans == 3 and (getattr(model, "trained_on", None) or {}).get("grayscale"):
+            caption += (
+                " <b>This model was trained on grayscale images</b> (given as three equal channels), so the "
+                "colours of these filters mean nothing: only their light and dark pattern does."
+            )
         parts.append(figure("embedding_filters", "Patch-embedding filters", plot_embedding_filters(filters), caption))
     else:
         parts.append(_note_html("embedding_filters", "Patch-embedding filters", filters.note))

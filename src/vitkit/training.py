@@ -30,13 +30,13 @@ from tqdm import tqdm
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig, decode_variant
-from .data import ImageArrayDataset, dataset_augmentation, get_dataset
+from .data import ImageArrayDataset, dataset_augmentation, describe, get_dataset
 from .distributed import World, all_gather_tensors, any_process, barrier, close_world, init_world
 from .efficiency import count_params
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
-from .recipes import TrainConfig, build_optimizer, learning_rate, set_trainable
+from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
 from .runs import RunDir, claim_run_dir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
@@ -55,7 +55,7 @@ class TrainResult:
     final: EvalResult | None
     best_top1: float
     seconds: float  # in training steps, over all sessions of the run
-    wall_seconds: float  # this session, data loading and evaluation included
+    wall_seconds: float  # over all sessions of the run, data loading and evaluation included
     skipped_steps: int = 0  # non-finite steps not applied (nonfinite="skip")
     skipped_images: int = 0  # unreadable image files left out (this session)
 
@@ -133,18 +133,24 @@ class StopRequest:
 
 
 def train(
-    config: TrainConfig | None = None, *, resume: str | Path | None = None, stop_after: int | None = None
+    config: TrainConfig | None = None,
+    *,
+    resume: str | Path | None = None,
+    changes: dict | None = None,
+    stop_after: int | None = None,
 ) -> TrainResult:
     """Run `config` (default: the main job), or continue the run saved in the directory `resume` with its own
-    config; returns how it ended. `stop_after` stops after that many steps in all, as an interruption would:
-    a checkpoint is saved."""
+    config, with `changes` to the fields `recipes.RESUMABLE` names (length, cadence); returns how it ended.
+    `stop_after` stops after that many steps in all, as an interruption would: a checkpoint is saved."""
     if config is not None and resume is not None:
         raise ValueError(f"give a config or resume={str(resume)!r}, not both: a resumed run keeps its saved config.")
+    if changes and resume is None:
+        raise ValueError("changes= applies to a resumed run: give resume=RUN_DIR, or put them in the config.")
     config = config or TrainConfig()
     saved = None
     if resume is not None:
         saved = read_checkpoint(resume)
-        config = TrainConfig.from_dict(json.loads(saved["config"]))
+        config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
         run_path = Path(resume)
     else:
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
@@ -173,6 +179,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
     model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
+    model.trained_on = describe(config.data, train_set)
     learning = set_trainable(model, config.trainable)
     model.to(world.device)
     optimizer = build_optimizer(model, config)
@@ -180,6 +187,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     plan = plan_steps(config, len(train_set), world)
     run = RunDir(run_path, enabled=world.is_main)
     state = TrainState(config, world, plan, augment_config(config, train_set), model, model, optimizer, run)
+    state.session_start = started
     if saved is not None:
         restore(state, saved)
     else:
@@ -314,6 +322,8 @@ class TrainState:
     saved_step: int | None = None  # the step of the newest checkpoint
     best_top1: float = -1.0
     elapsed: float = 0.0  # seconds in training steps, over all sessions of the run
+    wall_before: float = 0.0  # wall-clock seconds of the earlier sessions of the run
+    session_start: float = 0.0  # time.perf_counter() when this session began
     window: MetricsWindow = field(default_factory=MetricsWindow)
 
 
@@ -353,6 +363,7 @@ def restore(state: TrainState, saved: dict) -> None:
     state.optimizer.load_state_dict(saved["optimizer"])
     state.step, state.best_top1, state.elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
     state.skipped_steps, state.saved_step = int(saved.get("skipped_steps", 0)), state.step
+    state.wall_before = float(saved.get("wall_elapsed", 0.0))
     world = state.world
     if len(saved["rng"]) == world.size:
         torch.set_rng_state(saved["rng"][world.rank])
@@ -470,6 +481,7 @@ def checkpoint_state(state: TrainState) -> dict:
         "best_top1": state.best_top1,
         "elapsed": state.elapsed,
         "skipped_steps": state.skipped_steps,
+        "wall_elapsed": state.wall_before + time.perf_counter() - state.session_start,
         "rng": [t.cpu() for t in rng],
         "cuda_rng": [t.cpu() for t in cuda_rng],
     }
@@ -490,7 +502,7 @@ def finish(
         export(state.model, state.run.path / "model.safetensors")
         plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
     result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
-                         state.elapsed, time.perf_counter() - started, state.skipped_steps,
+                         state.elapsed, state.wall_before + time.perf_counter() - started, state.skipped_steps,
                          sum(len(getattr(d, "skipped", ())) for d in datasets))  # fmt: skip
     if state.world.is_main:
         state.run.write_json("summary.json", summary_dict(result, state.config, state.model))

@@ -1,4 +1,5 @@
-"""vitkit's own format: a safetensors file of our state dict, with the config and class names in its metadata.
+"""vitkit's own format: a safetensors file of our state dict, with the config, class names and what the model was
+trained on (`trained_on`, for `predict`'s notes) in its metadata.
 
 Nothing is inferred and nothing is pickled: the metadata says exactly which model the tensors belong to.
 """
@@ -71,6 +72,8 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     model = VisionTransformer(config)
     model.load_state_dict(tensors, strict=True)
     model.class_names = class_names
+    if "trained_on" in metadata:
+        model.trained_on = json.loads(metadata["trained_on"])
     return model.eval()
 
 
@@ -79,5 +82,7 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     metadata = {"format": NAME, "config": json.dumps(model.config.to_dict())}
     if model.class_names is not None:
         metadata["class_names"] = json.dumps(list(model.class_names))
+    if model.trained_on:
+        metadata["trained_on"] = json.dumps(model.trained_on)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
