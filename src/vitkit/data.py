@@ -450,7 +450,10 @@ def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:
     if isinstance(dataset, ImageArrayDataset):
         images = dataset.images[:probe]
     else:
-        images = [dataset[i][0] for i in range(min(probe, len(dataset)))]
+        probed = [dataset[i][0] for i in range(min(probe, len(dataset)))]
+        images = [im for im in probed if isinstance(im, torch.Tensor)]  # not the files that failed to decode
+    if not len(images):
+        return {"data": name, "grayscale": False, "image_size": None}
     gray = all(im.shape[0] == 1 or bool((im == im[:1]).all()) for im in images)
     sizes = sorted(tuple(im.shape[-2:]) for im in images)
     return {"data": name, "grayscale": gray, "image_size": list(sizes[len(sizes) // 2])}
