@@ -121,8 +121,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
-    if getattr(dataset, "skipped", None):
-        print(dataset.skipped.summary())
+    skipped = getattr(dataset, "skipped", None)
+    if skipped:
+        print(skipped.summary())
     return 0
 
 

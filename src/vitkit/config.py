@@ -53,7 +53,7 @@ def check_fields(cls: type, names: Iterable[str]) -> None:
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
 
 
-def check_type(name: str, value: Any, annotation: str) -> None:
+def check_type(name: str, value: Any, annotation: object) -> None:
     """A field's value against its annotation ("int", "float | None", ...): a ValueError naming both if it does not
     fit, so that `hidden_size='abc'` is reported as such, not as a failed comparison deep inside."""
     kinds = [k.strip() for k in str(annotation).split("|")]

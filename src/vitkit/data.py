@@ -17,7 +17,7 @@ import pickle
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -409,9 +409,10 @@ class ImageFolder(Dataset):
             return False
         return True
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor | ImageError, int]:
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         """The image and its label; a file that fails to decode (truncated, say) gives its ImageError instead of
-        the image, which the batching drops and logs (`vitkit.evaluate.batches`), or raises when strict."""
+        the image (hence `Any`), which the batching drops and logs (`vitkit.evaluation.batches`), or raises when
+        strict."""
         path, label = self.samples[index]
         try:
             return read_image(path), label

@@ -76,6 +76,8 @@ def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: i
         generator=torch.Generator(),
     )
     skipped = getattr(dataset, "skipped", None)
+    if skipped is None:
+        skipped = SkipLog()
     try:
         for images, labels, failed in loader:
             for error in failed:
@@ -91,9 +93,8 @@ def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: i
 
 
 def _collate(samples: list[tuple[torch.Tensor | ImageError, int]]):
-    kept = [s for s in samples if not isinstance(s[0], ImageError)]
-    images = [s[0] for s in kept]
-    labels = torch.tensor([s[1] for s in kept], dtype=torch.long)
+    images = [s[0] for s in samples if isinstance(s[0], torch.Tensor)]
+    labels = torch.tensor([s[1] for s in samples if isinstance(s[0], torch.Tensor)], dtype=torch.long)
     same = bool(images) and all(im.shape == images[0].shape for im in images)
     failed = [s[0] for s in samples if isinstance(s[0], ImageError)]
     return (torch.stack(images) if same else images), labels, failed

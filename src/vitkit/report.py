@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from inspect import signature
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,15 +76,16 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
     """
     if count < 1:
         raise ValueError(f"--samples {count}: ask for at least one image.")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if name in DATASETS and "image_size" in signature(DATASETS[name]).parameters:
         kwargs["image_size"] = model.config.image_size[0]
     dataset = get_dataset(name, split, **kwargs)
     count = min(count, len(dataset))
     raw = [dataset[i] for i in range(count)]
+    skipped: SkipLog = getattr(dataset, "skipped", SkipLog())
     for image, _ in raw:
         if isinstance(image, ImageError):  # an image file that failed to decode: logged, left out
-            dataset.skipped.add(image)
+            skipped.add(image)
     raw = [sample for sample in raw if not isinstance(sample[0], ImageError)]
     images = torch.cat([to_input(img, model.config.image_size, model.config.in_chans) for img, _ in raw])
     labels = [int(label) for _, label in raw]

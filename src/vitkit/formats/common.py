@@ -116,7 +116,7 @@ def model_from_rules(
             f"num_layers={config.num_layers}, num_heads={config.num_heads}, classifier={config.classifier!r}); "
             + "; ".join(problems)
             + ". Check the file is a ViT checkpoint of this format, or pass the right overrides (e.g. num_heads=).",
-            key=(unexpected or missing or [None])[0],
+            key=next(iter(unexpected + missing), None),
         )
     model = VisionTransformer(config)
     model.load_state_dict(state, strict=True)
