@@ -1,8 +1,8 @@
 """Tar shards (the WebDataset layout) against Parquet shards for the same JPEGs, measured side by side.
 
 Writes 2,000 JPEGs of `shapes` (160 px, quality 90) as 4 shards of each format, then times (best of 3) writing,
-streaming every sample's bytes, and streaming + decoding them (vitkit.data.decode_image) on this process's one
-thread. Tar is read with Python's tarfile in stream mode, as WebDataset reads it. Usage:
+streaming every sample's bytes, and streaming + decoding them (`vitkit.images.read_image(name, data=...)`) on
+this process's one thread. Tar is read with Python's tarfile in stream mode, as WebDataset reads it. Usage:
 `python benchmarks/shard_formats.py [--images 2000]`.
 """
 
@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from vitkit.data import ShapesDataset, decode_image
+from vitkit.data import ShapesDataset
+from vitkit.images import read_image
 
 SHARDS = 4
 
@@ -57,7 +58,7 @@ def read_tar(folder: str, decode: bool) -> int:
                 if member.name.endswith(".jpg"):
                     n += 1
                     if decode:
-                        decode_image(data)
+                        read_image("sample", data=data)
     return n
 
 
@@ -79,7 +80,7 @@ def read_parquet(folder: str, decode: bool) -> int:
             for data in batch.column("image").to_pylist():
                 n += 1
                 if decode:
-                    decode_image(data)
+                    read_image("sample", data=data)
     return n
 
 

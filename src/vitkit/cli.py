@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import re
 import sys
 import warnings
 from typing import Any
@@ -13,6 +15,7 @@ from . import __version__
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
+from .errors import NonFiniteError, WorkerError
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 
@@ -42,7 +45,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Load a checkpoint of any format and write it in another."""
-    model = load_checkpoint(args.src, format=args.format)
+    model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         export(model, args.dst, format=args.to)
@@ -58,9 +61,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
     from .report import dataset_samples, load_images, occlusion_plan, write_report
 
-    model = _placed(load_checkpoint(args.checkpoint), args)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     if args.image:
-        samples = load_images(args.image, model)
+        samples = load_images(args.image, model, strict=args.strict)
     else:
         samples = dataset_samples(args.data, args.samples, model, split=args.split)
     samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
@@ -120,9 +123,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import get_dataset
     from .evaluation import evaluate, format_eval
 
-    model = _placed(load_checkpoint(args.checkpoint), args)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
-    dataset = get_dataset(args.data, args.split, **kwargs)
+    dataset = get_dataset(args.data, args.split, strict=args.strict, **kwargs)
     if len(dataset.classes) != model.config.num_classes:
         raise ValueError(
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
@@ -131,6 +134,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
+    skipped = getattr(dataset, "skipped", None)
+    if skipped:
+        print(skipped.summary())
     return 0
 
 
@@ -139,12 +145,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from .data import read_image
     from .evaluation import image_files, input_notes, predict
 
-    model = _placed(load_checkpoint(args.checkpoint), args)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     files = image_files(args.images)
-    for path, top in zip(files, predict(model, files, args.top_k, progress=True)):
+    results = predict(model, files, args.top_k, progress=True, strict=args.strict)
+    for path, top in zip(files, results):
+        if top is None:  # unreadable: warned about, counted below
+            continue
         print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
         for note in input_notes(model, read_image(path)):
             print(f"  note: {note}")
+    skipped = sum(top is None for top in results)
+    if skipped:
+        print(f"{skipped} unreadable image file(s) skipped")
     return 0
 
 
@@ -191,7 +203,7 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
         if kind in (dict, dict | None):
             p.add_argument(*flags, type=_mapping, metavar="K=V,...", **common)
         elif kind in (bool, bool | None):
-            p.add_argument(*flags, type=_boolean, metavar="true|false", **common)
+            p.add_argument(*flags, type=_boolean, nargs="?", const=True, metavar="true|false", **common)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
             number = int if kind == tuple[int, int] | None else float
             p.add_argument(*flags, type=number, nargs=2, metavar=("A", "B"), **common)
@@ -229,8 +241,26 @@ def _boolean(text: str) -> bool:
     return text.lower() in ("true", "1", "yes")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one `--help` away), exit status 2."""
+
+    def error(self, message: str):
+        choice = re.search(r"invalid choice: '?([^']*?)'? \(choose from (.*)\)", message)
+        if choice:  # argparse lists the allowed values; add the closest one
+            allowed = [c.strip().strip("'") for c in choice.group(2).split(",")]
+            close = difflib.get_close_matches(choice.group(1), allowed, n=1, cutoff=0.5)
+            message += f"; did you mean {close[0]!r}?" if close else ""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_reading_options(p: argparse.ArgumentParser, images: bool = True) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint with NaN/Inf weights (warns)")
+    if images:
+        p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: skip it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    parser = _Parser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
     parser.add_argument("--version", action="version", version=f"vitkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -245,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
     p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
+    _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
@@ -262,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the forward passes, which the command counts before it starts",
     )  # fmt: skip
     _add_execution_options(p)
+    _add_reading_options(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
@@ -280,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help=field_help("precision")[0])
     _add_execution_options(p)
+    _add_reading_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("data", help="prepare datasets: `vitkit data pack ROOT OUT` writes Parquet shards")
@@ -297,14 +330,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
     _add_execution_options(p)
+    _add_reading_options(p)
     p.set_defaults(func=cmd_predict)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a value, a file): one line and exit status 2; a failure of the machine (a full disk, a dead
+    data worker): one line and exit status 1. Warnings (a skipped image, say) are one line each."""
     args = build_parser().parse_args(argv)
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, WorkerError, NonFiniteError) as e:
+        print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        warnings.formatwarning = formatwarning

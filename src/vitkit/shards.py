@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from .data import ImageFolder, decode_image
+from .data import ImageFolder
 from .files import atomic_write
+from .images import read_image
 
 FORMAT = "vitkit-shards/1"
 ROW_GROUP = 100
@@ -140,7 +141,7 @@ class ShardedDataset(Dataset):
             self._cached = ((s, group), self._parquet(s).read_row_group(group, columns=["key", "image", "label"]))
         table = self._cached[1]
         key, data, label = (table.column(c)[row].as_py() for c in ("key", "image", "label"))
-        return decode_image(data, f"{self.files[s]}:{key}"), label
+        return read_image(f"{self.files[s]}:{key}", data=data), label
 
     def _parquet(self, s: int):
         import pyarrow.parquet as pq
@@ -219,7 +220,7 @@ class _RoleStream(IterableDataset):
         for _ in todo:
             images, labels = [], []
             for data, name, label in (next(samples) for _ in range(self.micro)):
-                images.append(decode_image(data, name))
+                images.append(read_image(name, data=data))
                 labels.append(label)
             same = all(im.shape == images[0].shape for im in images)
             yield (torch.stack(images) if same else images), torch.tensor(labels, dtype=torch.long)

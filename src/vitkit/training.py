@@ -49,10 +49,19 @@ from .distributed import (
     wrap_model,
 )
 from .efficiency import count_params
+from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
 from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
-from .runs import SHARDED_CHECKPOINT, RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
+from .runs import (
+    SHARDED_CHECKPOINT,
+    RunDir,
+    claim_run_dir,
+    default_run_dir,
+    plot_run,
+    read_checkpoint,
+    truncate_metrics,
+)
 from .shards import ShardedDataset
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
@@ -73,6 +82,8 @@ class TrainResult:
     best_top1: float
     seconds: float  # in training steps, over all sessions of the run
     wall_seconds: float  # over all sessions of the run, data loading and evaluation included
+    skipped_steps: int = 0  # non-finite steps not applied (nonfinite="skip")
+    skipped_images: int = 0  # unreadable image files left out (this session)
 
 
 def load_datasets(config: TrainConfig):
@@ -80,7 +91,8 @@ def load_datasets(config: TrainConfig):
     kwargs = dict(config.data_args)
     if config.data_dir is not None:
         kwargs["data_dir"] = config.data_dir
-    return get_dataset(config.data, "train", **kwargs), get_dataset(config.data, "test", **kwargs)
+    train_set = get_dataset(config.data, "train", strict=config.strict, **kwargs)
+    return train_set, get_dataset(config.data, "test", strict=config.strict, **kwargs)
 
 
 def initial_model(config: TrainConfig, dataset) -> VisionTransformer:
@@ -169,6 +181,13 @@ def train(
     else:
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
     world = init_world(config.device)
+    if saved is None:
+        try:
+            claim_run_dir(run_path, config.overwrite, world.is_main)
+        except BaseException:
+            close_world(world)
+            raise
+        barrier(world)  # the main process has cleared an overwritten run before anyone writes
     threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -232,7 +251,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     bar.close()
     if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
         final = run_evaluation(state, test_set)
-    return finish(state, final, interrupted, started)
+    return finish(state, final, interrupted, started, (train_set, test_set))
 
 
 @dataclass(frozen=True)
@@ -335,6 +354,8 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     run: RunDir
     step: int = 0  # optimiser updates done
+    skipped_steps: int = 0  # steps with a non-finite loss or gradient, not applied (nonfinite="skip")
+    saved_step: int | None = None  # the step of the newest checkpoint
     best_top1: float = -1.0
     elapsed: float = 0.0  # seconds in training steps, over all sessions of the run
     wall_before: float = 0.0  # wall-clock seconds of the earlier sessions of the run
@@ -375,6 +396,7 @@ def restore(state: TrainState, saved: dict) -> None:
         state.optimizer.load_state_dict(saved["optimizer"])
         rng, cuda_rng = saved["rng"], saved.get("cuda_rng") or []
     state.step, state.best_top1, state.elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
+    state.skipped_steps, state.saved_step = int(saved.get("skipped_steps", 0)), state.step
     state.wall_before = float(saved.get("wall_elapsed", 0.0))
     world = state.world
     if len(rng) == world.size:
@@ -420,10 +442,13 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     lr = learning_rate(state.step, state.plan.total, config.lr, state.plan.warmup, config.schedule)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
+    finite = True
     for m in range(config.accumulation_steps):
         images, labels = next(micro_batches)
+        if not len(labels):  # every image file of the micro-batch was unreadable (skipped, and counted)
+            continue
         x, targets = train_batch(
-            images, labels, draws[m * micro : (m + 1) * micro], model.config.image_size, state.augment,
+            images, labels, draws[m * micro : m * micro + len(labels)], model.config.image_size, state.augment,
             model.config.num_classes, model.config.in_chans,
         )  # fmt: skip
         x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
@@ -433,11 +458,28 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
                 logits = state.net(x)
             loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
             (loss / config.accumulation_steps).backward()
+        finite = finite and bool(torch.isfinite(loss))
         state.window.add(loss, logits, labels)
-    if config.grad_clip > 0:  # the norm over all shards when FSDP shards the gradients (DTensors)
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.grad_clip)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
+    # The total gradient norm (clipped to grad_clip when > 0; an infinite bound leaves the gradients as they are),
+    # over all shards when FSDP shards the gradients (DTensors).
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
+    finite = finite and bool(torch.isfinite(norm))
+    if any_process(not finite, world):
+        state.optimizer.zero_grad(set_to_none=True)
+        if config.nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {state.step}: non-finite {'loss' if not torch.isfinite(loss) else 'gradient'} "
+                f"(loss {float(loss.detach()):g}, gradient norm {float(norm):g}); the run stopped without applying it. "
+                + (f"The newest checkpoint, step {state.saved_step}, is the last good state: continue with "
+                   f"`vitkit train --resume {state.run.path}` " if state.saved_step is not None else "No checkpoint "
+                   "was saved yet: start again ")
+                + "with a lower --lr, or pass --nonfinite skip to skip such steps."
+            )  # fmt: skip
+        state.skipped_steps += 1
+    else:
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
     spent = time.perf_counter() - tick
     state.elapsed += spent
     state.window.add_step(spent)
@@ -496,6 +538,7 @@ def checkpoint_state(state: TrainState) -> dict:
         "total_steps": plan.total,
         "best_top1": state.best_top1,
         "elapsed": state.elapsed,
+        "skipped_steps": state.skipped_steps,
         "wall_elapsed": state.wall_before + time.perf_counter() - state.session_start,
         "rng": [t.cpu() for t in rng],
         "cuda_rng": [t.cpu() for t in cuda_rng],
@@ -514,9 +557,12 @@ def save_checkpoint(state: TrainState) -> None:
     else:
         weights = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}
         state.run.save_checkpoint({**progress, **weights})
+    state.saved_step = state.step
 
 
-def finish(state: TrainState, final: EvalResult | None, interrupted: bool, started: float) -> TrainResult:
+def finish(
+    state: TrainState, final: EvalResult | None, interrupted: bool, started: float, datasets: tuple = ()
+) -> TrainResult:
     """A finished run keeps model.safetensors and its plots; every run writes summary.json and prints it.
     `started`: `time.perf_counter()` when the session began (for the wall time)."""
     if not interrupted:
@@ -524,7 +570,8 @@ def finish(state: TrainState, final: EvalResult | None, interrupted: bool, start
     if not interrupted and state.world.is_main:
         plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
     result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
-                         state.elapsed, state.wall_before + time.perf_counter() - started)  # fmt: skip
+                         state.elapsed, state.wall_before + time.perf_counter() - started, state.skipped_steps,
+                         sum(len(getattr(d, "skipped", ())) for d in datasets))  # fmt: skip
     if state.world.is_main:
         state.run.write_json("summary.json", summary_dict(result, state.config, state.model))
         print(format_summary(result, state.config, state.model), flush=True)
@@ -547,6 +594,8 @@ def summary_dict(result: TrainResult, config: TrainConfig, model: VisionTransfor
         "best_test_top1": result.best_top1,
         "per_class": dict(zip(model.class_names or [], result.final.per_class)) if result.final else None,
         "parameters": count_params(model.config),
+        "skipped_steps": result.skipped_steps,
+        "skipped_images": result.skipped_images,
     }
 
 
@@ -565,6 +614,10 @@ def format_summary(result: TrainResult, config: TrainConfig, model: VisionTransf
     ]
     if result.interrupted:
         lines.append(f"stopped    checkpoint saved; continue with: vitkit train --resume {result.run_dir}")
+    if result.skipped_steps or result.skipped_images:
+        lines.append(
+            f"skipped    {result.skipped_steps} non-finite step(s), {result.skipped_images} unreadable image(s)"
+        )
     if result.final is not None:
         lines.append(f"test       {format_eval(result.final, model.class_names)}")
         lines.append(f"best       top-1 {100 * result.best_top1:.2f}%")
