@@ -1,11 +1,13 @@
 """vitkit: the Vision Transformer of Dosovitskiy et al. (ICLR 2021) in PyTorch."""
 
 from . import inspect
+from .benchmark import bench
 from .checkpoints import export, load, load_checkpoint, save
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .evaluate import evaluate, predict
 from .model import VisionTransformer
+from .optimization import optimize
 from .recipes import TrainConfig
 from .train import train
 
@@ -22,6 +24,7 @@ __all__ = [
     "TrainConfig",
     "ViTConfig",
     "VisionTransformer",
+    "bench",
     "count_params",
     "create_model",
     "decode_variant",
@@ -32,6 +35,7 @@ __all__ = [
     "list_models",
     "load",
     "load_checkpoint",
+    "optimize",
     "predict",
     "save",
     "train",
