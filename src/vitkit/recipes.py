@@ -81,6 +81,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     # execution
     precision: str = "fp32"
+    compile: bool = False  # torch.compile the training step's model (takes minutes to compile on a small CPU)
     device: str = "auto"
     threads: int = 0  # CPU threads for torch; 0: torch's default (one per core)
     seed: int = 0

@@ -214,6 +214,8 @@ def _train(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     net = model
     if world.size > 1:
         net = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    if config.compile:
+        net = torch.compile(net)
 
     def checkpoint_state() -> dict:
         rng = all_gather_tensors(torch.get_rng_state(), world)
