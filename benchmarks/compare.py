@@ -163,7 +163,7 @@ def table(rows: list[dict]) -> str:
         ours = rates.get("vitkit optimized", rates["vitkit"])  # inference: the optimized copy; training: plain
         best_peer = max(peers, key=peers.get)
 
-        def cell(key):
+        def cell(key, rates=rates):
             return f"{rates[key]:.2f}" if key in rates else "-"
 
         best = f"{cell(timm_best)} ({timm_best.split(' ', 1)[1]})" if timm_best else "-"
