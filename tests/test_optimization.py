@@ -41,7 +41,7 @@ def test_packed_linear_equals_f_linear_for_any_leading_shape():
         pytest.skip("this torch build has no MKL (torch.ops.mkl._mkl_linear)")
     linear = torch.nn.Linear(24, 40)
     packed = PackedLinear(linear)
-    for shape in [(5, 24), (2, 7, 24), (1, 1, 24)]:
+    for shape in [(5, 24), (2, 7, 24), (1, 1, 24), (opt.PACKED_MAX_ROWS + 1, 24)]:
         x = torch.randn(shape)
         torch.testing.assert_close(packed(x), linear(x).detach(), rtol=0, atol=1e-5)
 

@@ -6,7 +6,7 @@ What it does (each step measured on the machine it was written on; figures in do
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
 - fp32 on CPUs with MKL: every linear layer's weight packed once for MKL's GEMM (`torch.ops.mkl._mkl_linear`,
-  the kernel `torch.compile(freezing)` emits), so no call repacks it;
+  the kernel `torch.compile(freezing)` emits), used for small batches where repacking at every call costs;
 - `compile=True`: `torch.compile` on top (minutes to compile on a small CPU; pays for long evaluations).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
@@ -47,6 +47,11 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     return precision
 
 
+# Packing pays where the weight's repacking is a large share of the work: for ViT-S/16's MLP at batch 1
+# (197 rows) the packed GEMM ran 1.29x faster, at batch 8 (1,576 rows) 0.97-1.05x (docs/PERFORMANCE.md).
+PACKED_MAX_ROWS = 1024
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight packed once for MKL's GEMM; the same result as `F.linear`."""
 
@@ -59,9 +64,9 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
+        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > PACKED_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
 
     def extra_repr(self) -> str:
