@@ -28,9 +28,11 @@ demo: setup data
 test: setup
 	$(PY) -m pytest
 
+# Everything but the tests marked slow (training runs, the trained-model reports, big variants): under a minute of CPU.
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy

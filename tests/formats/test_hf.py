@@ -8,6 +8,7 @@ from transformers import ViTConfig as HFConfig
 from transformers import ViTForImageClassification, ViTModel
 
 import vitkit
+from conftest import perturbed, tiny
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
@@ -18,14 +19,6 @@ CASES = {
     "non_square_no_qkv_bias": dict(image_size=(32, 48), qkv_bias=False, layer_norm_eps=1e-6),
     "no_labels": dict(num_labels=0),
 }
-
-
-def perturbed(model: torch.nn.Module) -> torch.nn.Module:
-    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
 
 
 def image(config) -> torch.Tensor:
@@ -61,7 +54,7 @@ def test_random_hf_model_loads_with_the_same_outputs(tmp_path, case):
 def test_hf_pytorch_model_bin_directory_loads(tmp_path):
     theirs = perturbed(ViTForImageClassification(HFConfig(**TINY)))
     theirs.save_pretrained(tmp_path)  # the on-disk names, which transformers 5 renames in memory
-    weights = vitkit.checkpoints.read_safetensors(tmp_path / "model.safetensors")[0]
+    weights = vitkit.files.read_safetensors(tmp_path / "model.safetensors")[0]
     (tmp_path / "model.safetensors").unlink()
     torch.save(weights, tmp_path / "pytorch_model.bin")
     assert_loads_with_their_logits(tmp_path, theirs)
@@ -105,8 +98,7 @@ def test_hf_export_loads_in_transformers_with_the_same_outputs_and_labels(tmp_pa
 @pytest.mark.parametrize("headless", [False, True])
 def test_vitkit_to_hf_to_vitkit_is_bit_exact(tmp_path, headless):
     changes = dict(num_classes=0, representation_size=32) if headless else dict(num_classes=3, dropout_rate=0.1)
-    config = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, **changes)
-    model = perturbed(VisionTransformer(config))
+    model = perturbed(tiny(num_heads=2, **changes))
     model.class_names = None if headless else ["ant", "bee", "cat"]
     vitkit.export(model, tmp_path / "hf", format="hf")
     loaded = vitkit.load_checkpoint(tmp_path / "hf")
@@ -115,11 +107,10 @@ def test_vitkit_to_hf_to_vitkit_is_bit_exact(tmp_path, headless):
 
 
 def test_hf_export_refuses_what_hf_vit_cannot_hold(tmp_path):
-    base = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=1, num_heads=2, mlp_dim=64, num_classes=3)
     for changes, message in [
         (dict(classifier="gap"), "class token"),
         (dict(representation_size=16), "no pre-logits layer"),
         (dict(posemb="sincos2d"), "posemb='sincos2d'"),
     ]:
         with pytest.raises(ValueError, match=message):
-            vitkit.export(VisionTransformer(ViTConfig(**base | changes)), tmp_path / "hf", format="hf")
+            vitkit.export(tiny(num_layers=1, **changes), tmp_path / "hf", format="hf")

@@ -1,4 +1,4 @@
-"""Official ViT and big_vision `.npz` checkpoints against the official JAX outputs in shared/fixtures."""
+"""Official ViT and big_vision `.npz` checkpoints against the official JAX outputs in tests/fixtures."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,8 @@ import torch
 from scipy.ndimage import zoom
 
 import vitkit
-from vitkit import ResNetConfig, VisionTransformer, ViTConfig
+from conftest import tiny
+from vitkit import ResNetConfig
 from vitkit.formats import npz
 
 FIXTURES = ("vit_tiny_token", "vit_hybrid_small")
@@ -151,15 +152,13 @@ def test_new_head_for_new_classes_is_zero_initialised(fixtures_dir):
 ROUND_TRIPS = {
     "token": dict(),
     "gap_pre_logits": dict(classifier="gap", representation_size=24),
-    "hybrid": dict(image_size=16, patch_size=1, hybrid=ResNetConfig(num_layers=(1,))),
+    "hybrid": dict(image_size=16, patch_size=1, hybrid=ResNetConfig(units=(1,))),
 }
 
 
 @pytest.mark.parametrize("kind", ROUND_TRIPS)
 def test_vitkit_to_npz_to_vitkit_is_bit_exact(tmp_path, kind):
-    base = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=5)
-    config = ViTConfig(**base | dict(act="gelu_tanh") | ROUND_TRIPS[kind])
-    model = VisionTransformer(config).eval()
+    model = tiny(act="gelu_tanh", **ROUND_TRIPS[kind])
     vitkit.export(model, tmp_path / "m.npz", format="npz")
     loaded = vitkit.load_checkpoint(tmp_path / "m.npz")
     assert loaded.config == model.config

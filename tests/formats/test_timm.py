@@ -9,6 +9,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
 import vitkit
+from conftest import perturbed
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=1, mlp_ratio=2.0, num_classes=5)
@@ -20,14 +21,6 @@ CASES = {  # name: (timm arguments, file suffix, vitkit load arguments)
     "gap_no_qkv_bias": (dict(class_token=False, global_pool="avg", fc_norm=False, qkv_bias=False), ".safetensors", {}),
     "layer_scale": (dict(init_values=0.1), ".safetensors", {}),
 }
-
-
-def perturbed(model: nn.Module) -> nn.Module:
-    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
 
 
 def save_native(model: nn.Module, path):
@@ -83,7 +76,7 @@ def test_timm_export_loads_strictly_into_timm_with_the_same_outputs(tmp_path, ca
     ours = perturbed(VisionTransformer(ViTConfig(**base | changes)))
     vitkit.export(ours, tmp_path / "t.safetensors", format="timm")
     theirs = TimmViT(**TINY | dict(num_heads=2) | timm_args).eval()
-    theirs.load_state_dict(vitkit.checkpoints.read_safetensors(tmp_path / "t.safetensors")[0], strict=True)
+    theirs.load_state_dict(vitkit.files.read_safetensors(tmp_path / "t.safetensors")[0], strict=True)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
