@@ -339,7 +339,7 @@ def format_bench(result: dict) -> str:
 
 def write_bench(result: dict, path: str | Path) -> tuple[Path, Path]:
     """The JSON at `path` and the Fig. 12-style plot beside it (same name, .png)."""
-    from .checkpoints import atomic_write
+    from .files import atomic_write
 
     path = Path(path)
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
