@@ -1,8 +1,8 @@
 """vitkit against timm and Hugging Face on the same ViT, measured side by side, written into docs/PERFORMANCE.md.
 
 For each model, batch size, precision and kind (inference, or a training step: forward, backward, AdamW), every
-contender runs in interleaved rounds in this one process, and the median is kept, so that noise from other
-work on the machine hits all of them alike; the ratios are what to read. Contenders:
+contender runs in interleaved rounds in this one process (each round led by another one) and the median is kept,
+so that noise from other work on the machine hits all of them alike; the ratios are what to read. Contenders:
 
 - vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (bf16: weights cast once);
 - timm: eager (bf16: autocast), and its best CPU option, `torch.utils.mkldnn.to_mkldnn` or `torch.compile`
@@ -145,9 +145,10 @@ def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(seconds_per_call(run, min_seconds))
+    names = list(runs)
+    for i in range(rounds):  # each round starts with another contender, so none always runs first
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            times[name].append(seconds_per_call(runs[name], min_seconds))
     return {name: batch / statistics.median(t) for name, t in times.items()}
 
 

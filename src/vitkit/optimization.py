@@ -7,7 +7,7 @@ What it does (each step measured on the machine it was written on; figures in do
   model casts its input to its own dtype, the logits come back in bf16;
 - fp32 on CPUs with MKL: every linear layer's weight packed once for MKL's GEMM (`torch.ops.mkl._mkl_linear`,
   the kernel `torch.compile(freezing)` emits), used for small batches where repacking at every call costs;
-- `compile=True`: `torch.compile` on top (minutes to compile on a small CPU; pays for long evaluations).
+- `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere oneDNN emulates it and it is several times slower than fp32: `precision="auto"` then picks fp32,
@@ -100,12 +100,14 @@ def optimize(
     fast = copy.deepcopy(model).eval().requires_grad_(False)
     if precision == "bf16":
         fast = fast.to(torch.bfloat16)
+    if pack and compile:
+        raise ValueError("pack=True and compile=True: choose one; the compiler packs the weights itself (freezing).")
     if pack is None:
-        pack = device.type == "cpu" and precision == "fp32" and mkl_packing_available()
+        pack = device.type == "cpu" and precision == "fp32" and not compile and mkl_packing_available()
     if pack:
         _replace_linears(fast)
-    if compile:
-        fast = torch.compile(fast, dynamic=False)
+    if compile:  # freezing: weights become constants the compiler can pack and fold
+        fast = torch.compile(fast, dynamic=False, options={"freezing": True})
     return fast
 
 
