@@ -74,6 +74,8 @@ def test_optimize_leaves_the_original_model_untouched():
     assert model.training and all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not fast.training and not any(p.requires_grad for p in fast.parameters())
+    assert sum(p.numel() for p in fast.parameters()) == sum(p.numel() for p in model.parameters())
+    assert fast.state_dict().keys() == model.state_dict().keys()
 
 
 def test_auto_precision_picks_bf16_only_where_it_is_native(monkeypatch):

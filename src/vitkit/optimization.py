@@ -58,8 +58,9 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        # Still parameters (frozen), so that parameter counts and state dicts read as the model's own.
+        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         # The packing takes a batch size hint; the packed layout serves every batch size.
         self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1), persistent=False)
 
