@@ -28,7 +28,8 @@ demo: setup data
 test: setup
 	$(PY) -m pytest
 
-# Everything but the tests marked slow (training runs, the trained-model reports, big variants): under a minute of CPU.
+# Everything but the tests marked slow (training runs, the trained-model reports, big variants, fuzzing, the
+# SIGKILL loop, the soak run): under a minute of CPU.
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 

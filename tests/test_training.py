@@ -185,3 +185,22 @@ def test_compiled_training_follows_the_eager_run(tmp_path):
     assert eager.step == compiled.step == 3
     assert_same_weights(weights(tmp_path / "eager"), weights(tmp_path / "compiled"), atol=1e-4)
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["train"]["compile"] is True
+
+
+def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_every_sessions_wall_time(
+    tmp_path, capsys
+):
+    run = tmp_path / "run"
+    assert train(shapes_config(run), stop_after=4).interrupted
+    first_wall = read_checkpoint(run)["wall_elapsed"]
+    assert first_wall > 0
+    assert main(["train", "--resume", str(run), "--steps", "12", "--lr", "5", "--optimizer", "sgd"]) == 2
+    assert "so lr, optimizer cannot change" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--steps", "12", "--log-every", "3"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == summary["total_steps"] == 12
+    assert summary["wall_seconds"] > first_wall  # both sessions, not only the last
+    steps = [r["step"] for r in read_metrics(run) if r["split"] == "train"]
+    assert steps == [1, 2, 3, 4, 6, 9, 12]  # logged every step, then every third after the resume
+    seen = vitkit.load_checkpoint(run / "model.safetensors").trained_on
+    assert seen == {"data": "shapes", "grayscale": False, "image_size": [16, 16]}  # for predict's notes

@@ -12,6 +12,7 @@ from typing import Any
 from .checkpoints import export, load_checkpoint
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
+from .errors import CheckpointError, ImageError
 from .model import VisionTransformer
 from .optimization import optimize
 from .recipes import TrainConfig
@@ -37,6 +38,8 @@ def create_model(name: str, **overrides) -> VisionTransformer:
 
 
 __all__ = [
+    "CheckpointError",
+    "ImageError",
     "ResNetConfig",
     "TrainConfig",
     "ViTConfig",

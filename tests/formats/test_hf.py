@@ -114,3 +114,35 @@ def test_hf_export_refuses_what_hf_vit_cannot_hold(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             vitkit.export(tiny(num_layers=1, **changes), tmp_path / "hf", format="hf")
+
+
+@pytest.mark.slow
+def test_hf_export_works_in_the_image_classification_pipeline_with_vitkits_scores(tmp_path):
+    """`pipeline("image-classification")` on an exported directory: its preprocessor_config.json reproduces
+    vitkit's preprocessing (bilinear resize, [-1, 1]), so the scores on a photograph match `vitkit.predict`
+    to 1e-2: transformers resizes the 8-bit image with PIL and rounds it to 8 bits, vitkit resizes in float, so
+    their inputs differ by under one grey level (checked), which this random model amplifies to ~3e-3."""
+    from PIL import Image
+    from skimage.data import chelsea
+    from transformers import AutoImageProcessor, pipeline
+
+    from vitkit.data import read_image, to_input
+
+    torch.manual_seed(0)
+    model = vitkit.create_model("ViT-Ti/8", image_size=32, num_classes=5, hidden_size=32, num_layers=2, mlp_dim=64,
+                                num_heads=2)  # fmt: skip
+    torch.nn.init.normal_(model.head.weight, std=0.3)
+    model.class_names = ["cat", "dog", "fox", "owl", "yak"]
+    vitkit.export(model, tmp_path / "hf", format="hf")
+    Image.fromarray(chelsea()).save(tmp_path / "cat.png")
+
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
+    pixels = processor(Image.open(tmp_path / "cat.png"), return_tensors="pt")["pixel_values"]
+    expected = to_input(read_image(tmp_path / "cat.png"), (32, 32))
+    assert pixels.shape == expected.shape and (pixels - expected).abs().max() < 1 / 127.5
+    theirs = pipeline("image-classification", model=str(tmp_path / "hf"))(str(tmp_path / "cat.png"), top_k=5)
+    ours = dict(vitkit.predict(model, [tmp_path / "cat.png"], k=5)[0])
+    assert {r["label"] for r in theirs} == set(model.class_names)
+    assert max(ours.values()) - min(ours.values()) > 0.05  # the classes are told apart, so the check means something
+    for r in theirs:
+        assert r["score"] == pytest.approx(ours[r["label"]], abs=1e-2), r
