@@ -18,7 +18,7 @@ import statistics
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ class PeakMemory(TorchDispatchMode):
     """Peak bytes of the tensors created while it is active (outputs of every op, views counted once), on
     any device; `peak` is read after the `with` block."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.live: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, live tensors using it]
         self.current = self.peak = 0
@@ -122,7 +122,7 @@ class _Cell:
     images: int
     flops: float  # per call
     memory: float | None = None  # peak bytes, measured once
-    rates: list[float] | None = None
+    rates: list[float] = field(default_factory=list)
 
 
 def _sync(device: torch.device) -> None:

@@ -17,6 +17,7 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
+import typing
 import warnings
 
 import torch
@@ -108,7 +109,8 @@ def optimize(
     if pack:
         _replace_linears(fast)
     if compile:  # freezing: weights become constants the compiler can pack and fold
-        fast = torch.compile(fast, dynamic=False, options={"freezing": True})
+        # An OptimizedModule: it forwards attribute access (config, class_names) to the model it wraps.
+        fast = typing.cast(VisionTransformer, torch.compile(fast, dynamic=False, options={"freezing": True}))
     return fast
 
 

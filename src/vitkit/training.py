@@ -15,6 +15,7 @@ import math
 import signal
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,7 +195,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
         run.write_json("config.json", run_description(state, learning))
     state.net = data_parallel(model, world)  # after restoring: every process starts from the same weights
     if config.compile:
-        state.net = torch.compile(state.net)
+        state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
 
     final: EvalResult | None = None
     bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
