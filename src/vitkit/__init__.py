@@ -14,13 +14,14 @@ from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .errors import CheckpointError, ImageError
 from .model import VisionTransformer
+from .optimization import optimize
 from .recipes import TrainConfig
 
 __version__ = "0.2.0.dev0"
 
 # Public names whose modules load on first use: name -> module.
-_LAZY = {"train": "training", "evaluate": "evaluation", "predict": "evaluation"}
-_SUBMODULES = ("analysis", "data", "formats", "report", "training", "evaluation")
+_LAZY = {"train": "training", "evaluate": "evaluation", "predict": "evaluation", "bench": "benchmark"}
+_SUBMODULES = ("analysis", "benchmark", "data", "formats", "optimization", "report", "training", "evaluation")
 
 
 def __getattr__(name: str) -> Any:
@@ -43,6 +44,7 @@ __all__ = [
     "TrainConfig",
     "ViTConfig",
     "VisionTransformer",
+    "bench",
     "count_params",
     "create_model",
     "decode_variant",
@@ -51,6 +53,7 @@ __all__ = [
     "flops",
     "list_models",
     "load_checkpoint",
+    "optimize",
     "predict",
     "train",
 ]

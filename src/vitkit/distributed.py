@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -140,21 +141,20 @@ def wrap_model(model: nn.Module, world: World, strategy: str, precision: str = "
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """True for a model sharded by FSDP2 (its parameters are DTensor shards)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    """True for a model sharded by FSDP2 (its parameters are DTensor shards). Cheap: FSDP is only imported (a few
+    seconds) by `wrap_model` when it shards a model."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def gradient_sync(net: nn.Module, sync: bool):
     """A context in which backward reduces gradients over processes only when `sync` (the last micro-batch of
     an accumulated step): DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`."""
+    net = getattr(net, "_orig_mod", net)  # under torch.compile (--compile): the module it compiled
     if isinstance(net, DistributedDataParallel) and not sync:
         return net.no_sync()
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(net, FSDPModule):
-        net.set_requires_gradient_sync(sync)
+    if is_sharded(net):
+        cast(Any, net).set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
 

@@ -109,6 +109,7 @@ class TrainConfig:
     )
     strategy: str = _field("ddp", "several processes: ddp keeps a whole model in each, fsdp shards it", STRATEGIES)
     grad_checkpointing: bool = _field(False, "recompute each block in backward instead of keeping its activations")
+    compile: bool = _field(False, "torch.compile the model for training (minutes to compile on a small CPU)")
     device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     threads: int = _field(0, "CPU threads for torch; 0: torch's default (one per core)")
     seed: int = _field(0, "seed of the initialisation, data order and augmentation")

@@ -19,6 +19,7 @@ import math
 import signal
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,6 +221,8 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
         restore(state, saved)  # the same weights on every process (DDP broadcast rank 0's when wrapping)
     else:
         run.write_json("config.json", run_description(state, learning))
+    if config.compile:
+        state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
 
     final: EvalResult | None = None
     bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
