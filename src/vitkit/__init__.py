@@ -6,14 +6,18 @@ from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .evaluate import evaluate, predict
 from .model import VisionTransformer
+from .pretrained import list_pretrained, load_pretrained
 from .recipes import TrainConfig
 from .train import train
 
 __version__ = "0.1.0"
 
 
-def create_model(name: str, **overrides) -> VisionTransformer:
-    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)`."""
+def create_model(name: str, pretrained: str | None = None, **overrides) -> VisionTransformer:
+    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)`; with
+    `pretrained="imagenet21k"` (a tag of `vitkit pretrained`) its released weights, adapted to the overrides."""
+    if pretrained is not None:
+        return load_pretrained(f"{name}:{pretrained}", **overrides)
     return VisionTransformer(decode_variant(name, **overrides))
 
 
@@ -30,8 +34,10 @@ __all__ = [
     "flops",
     "inspect",
     "list_models",
+    "list_pretrained",
     "load",
     "load_checkpoint",
+    "load_pretrained",
     "predict",
     "save",
     "train",

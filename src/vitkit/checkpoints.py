@@ -95,12 +95,16 @@ def load_checkpoint(
 ) -> VisionTransformer:
     """Load a checkpoint of any supported format into a ready model, adapted to `image_size` / `num_classes`.
 
-    Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory); "auto"
-    tells them apart (see `vitkit.formats.detect_format`). The config is inferred from the file. `overrides`
+    Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory), "dinov2"
+    (a Hugging Face Dinov2Model directory), "onnx" (a ViT backbone graph); "auto" tells them apart (see
+    `vitkit.formats.detect_format`). `path` may also be a pretrained name (`vitkit pretrained` lists them).
+    The config is inferred from the file. `overrides`
     set config fields the file does not record (e.g. `drop_path_rate` for fine-tuning, `num_heads` for timm).
     """
-    from . import formats  # the foreign formats build on this module's file helpers
+    from . import formats, pretrained  # both build on this module
 
+    if not Path(path).exists() and pretrained.is_pretrained_name(str(path)):
+        return pretrained.load_pretrained(str(path), image_size=image_size, num_classes=num_classes, **overrides)
     if format not in ("auto", *formats.FORMATS):
         raise ValueError(f"format={format!r} is unknown: use 'auto' or one of {', '.join(formats.FORMATS)}.")
     format = formats.detect_format(path) if format == "auto" else format
