@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
     p.add_argument("dst", help="output file (a directory for --to hf)")
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
-    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
+    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf", "dinov2", "onnx"),
+                   help="input format")  # fmt: skip
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
