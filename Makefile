@@ -32,3 +32,4 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy

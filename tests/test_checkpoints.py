@@ -74,7 +74,7 @@ def test_truncated_file_gives_an_error_naming_it(tmp_path, fixtures_dir, kind):
         shutil.copy(fixtures_dir / "vit_tiny_token_params.npz", target)
     elif kind == "timm_pth":
         vitkit.export(model, tmp_path / "t.safetensors", format="timm")
-        torch.save(vitkit.checkpoints.read_safetensors(tmp_path / "t.safetensors")[0], target)
+        torch.save(vitkit.files.read_safetensors(tmp_path / "t.safetensors")[0], target)
     else:
         vitkit.export(model, target.parent if kind == "hf" else target, format=kind.split("_")[0])
     truncate(target)
@@ -84,7 +84,7 @@ def test_truncated_file_gives_an_error_naming_it(tmp_path, fixtures_dir, kind):
 
 def test_missing_unexpected_and_misshapen_keys_are_all_listed(tmp_path):
     vitkit.export(tiny(), tmp_path / "good.safetensors", format="timm")
-    state = vitkit.checkpoints.read_safetensors(tmp_path / "good.safetensors")[0]
+    state = vitkit.files.read_safetensors(tmp_path / "good.safetensors")[0]
     del state["blocks.1.attn.proj.bias"]
     state["blocks.0.attn.q_norm.weight"] = torch.ones(64)
     state["head.bias"] = torch.zeros(7)
@@ -100,7 +100,7 @@ def test_missing_unexpected_and_misshapen_keys_are_all_listed(tmp_path):
 
 def test_auto_detection_tells_every_format_apart(tmp_path, fixtures_dir):
     model = tiny()
-    vitkit.save(model, tmp_path / "v.safetensors")
+    vitkit.export(model, tmp_path / "v.safetensors")
     vitkit.export(model, tmp_path / "t.safetensors", format="timm")
     vitkit.export(model, tmp_path / "hf", format="hf")
     found = [detect_format(p) for p in (tmp_path / "v.safetensors", tmp_path / "t.safetensors", tmp_path / "hf")]
@@ -113,10 +113,11 @@ def test_auto_detection_tells_every_format_apart(tmp_path, fixtures_dir):
 
 
 def test_unknown_format_names_are_refused_with_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="format='onnx' is unknown: use 'auto' or one of vitkit, npz, timm, hf"):
-        vitkit.load_checkpoint(tmp_path / "m.npz", format="onnx")
-    with pytest.raises(ValueError, match="format='onnx' is unknown"):
-        vitkit.export(tiny(), tmp_path / "m.onnx", format="onnx")
+    choices = ", ".join(vitkit.formats.FORMATS)
+    with pytest.raises(ValueError, match=f"format='keras' is unknown: use one of {choices}"):
+        vitkit.load_checkpoint(tmp_path / "m.npz", format="keras")
+    with pytest.raises(ValueError, match="format='timmm' is unknown: .* Did you mean 'timm'"):
+        vitkit.export(tiny(), tmp_path / "m.keras", format="timmm")
 
 
 def test_export_refuses_what_a_format_cannot_hold(tmp_path):

@@ -27,7 +27,7 @@ def test_names_are_case_insensitive_and_any_patch_works():
 
 def test_hybrid_name_decodes_to_official_stem():
     c = decode_variant("R50+ViT-B/16")
-    assert c.hybrid == ResNetConfig(num_layers=(3, 4, 9)) and c.patch_size == (1, 1)
+    assert c.hybrid == ResNetConfig(units=(3, 4, 9)) and c.patch_size == (1, 1)
     assert c.patch_stride == (16, 16) and c.grid_size == (14, 14)
 
 

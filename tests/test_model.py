@@ -138,8 +138,8 @@ def test_gradient_checkpointing_gives_same_gradients():
 def test_save_load_round_trip_is_bit_exact(tmp_path):
     model = tiny(posemb="relative", classifier="gap", representation_size=8, init="trunc_normal").eval()
     model.class_names = ["a", "b", "c", "d", "e"]
-    vitkit.save(model, tmp_path / "m.safetensors")
-    loaded = vitkit.load(tmp_path / "m.safetensors")
+    vitkit.export(model, tmp_path / "m.safetensors")
+    loaded = vitkit.load_checkpoint(tmp_path / "m.safetensors")
     assert loaded.config == model.config and loaded.class_names == model.class_names
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
@@ -151,7 +151,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
 def test_saved_files_get_the_usual_permissions_not_private_ones(tmp_path):
     umask = os.umask(0o022)
     try:
-        vitkit.save(tiny(), tmp_path / "m.safetensors")
+        vitkit.export(tiny(), tmp_path / "m.safetensors")
     finally:
         os.umask(umask)
     assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644
@@ -159,17 +159,17 @@ def test_saved_files_get_the_usual_permissions_not_private_ones(tmp_path):
 
 def test_hybrid_save_load_round_trip(tmp_path):
     model = vitkit.create_model("R50+ViT-B/16", image_size=32, num_layers=1, num_classes=3).eval()
-    vitkit.save(model, tmp_path / "h.safetensors")
+    vitkit.export(model, tmp_path / "h.safetensors")
     x = torch.randn(1, 3, 32, 32)
-    assert torch.equal(vitkit.load(tmp_path / "h.safetensors")(x), model(x))
+    assert torch.equal(vitkit.load_checkpoint(tmp_path / "h.safetensors")(x), model(x))
 
 
 def test_load_rejects_non_vitkit_files(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(ValueError, match="junk.safetensors"):
-        vitkit.load(tmp_path / "junk.safetensors")
+        vitkit.load_checkpoint(tmp_path / "junk.safetensors")
     with pytest.raises(FileNotFoundError):
-        vitkit.load(tmp_path / "missing.safetensors")
+        vitkit.load_checkpoint(tmp_path / "missing.safetensors")
 
 
 def test_relative_posemb_module_type():
@@ -178,7 +178,7 @@ def test_relative_posemb_module_type():
 
 def test_load_checkpoint_adapts_resolution_and_head(tmp_path):
     model = tiny(representation_size=16)
-    vitkit.save(model, tmp_path / "m.safetensors")
+    vitkit.export(model, tmp_path / "m.safetensors")
     tuned = vitkit.load_checkpoint(tmp_path / "m.safetensors", image_size=48, num_classes=3, drop_path_rate=0.1)
     assert tuned.config.image_size == (48, 48) and tuned.config.num_classes == 3
     assert tuned.config.representation_size is None and tuned.config.drop_path_rate == 0.1

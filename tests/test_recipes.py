@@ -5,7 +5,14 @@ import torch
 
 from vitkit import VisionTransformer, ViTConfig
 from vitkit.cli import _train_config, build_parser
-from vitkit.recipes import FINETUNE_DEFAULTS, TrainConfig, build_optimizer, freeze, learning_rate, param_groups
+from vitkit.recipes import (
+    FINETUNE_DEFAULTS,
+    TrainConfig,
+    build_optimizer,
+    learning_rate,
+    param_groups,
+    set_trainable,
+)
 
 
 def tiny(**overrides) -> VisionTransformer:
@@ -56,11 +63,11 @@ def sublayer(kind: str, layers: tuple[str, str]) -> set[str]:
 def test_partial_finetuning_trains_exactly_the_chosen_parameters(mode, extra):
     expected = {"head.weight", "head.bias"} | extra
     model = tiny()
-    assert set(freeze(model, mode)) == expected
+    assert set(set_trainable(model, mode)) == expected
     assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
-    optimizer = build_optimizer(model, TrainConfig(train=mode))
+    optimizer = build_optimizer(model, TrainConfig(trainable=mode))
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(expected)
-    assert len(freeze(model, "full")) == len(list(model.parameters()))
+    assert len(set_trainable(model, "full")) == len(list(model.parameters()))
 
 
 def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_path):
@@ -78,12 +85,20 @@ def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_pa
     finetune = _train_config(build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", "--lr", "0.03"]),
                              FINETUNE_DEFAULTS)  # fmt: skip
     assert (finetune.optimizer, finetune.weight_decay, finetune.lr, finetune.model_args) == ("sgd", 0.0, 0.03, {})
+    assert finetune.trainable == "full"
+    for flag in ("--trainable", "--train"):  # --train: the option's older spelling, still accepted
+        args = build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", flag, "head"])
+        assert _train_config(args, FINETUNE_DEFAULTS).trainable == "head"
 
 
 def test_train_config_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         TrainConfig(optimizer="lamb")
+    with pytest.raises(ValueError, match="trainable='all' is unknown: choose one of full, head, attention, mlp"):
+        TrainConfig(trainable="all")
     with pytest.raises(ValueError, match="batch_size=100 must be a positive multiple of accumulation_steps=3"):
         TrainConfig(batch_size=100, accumulation_steps=3)
-    with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) \['learning_rate'\]"):
+    with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) 'learning_rate'; valid fields: data, "):
         TrainConfig.from_dict({"learning_rate": 1.0})
+    with pytest.raises(ValueError, match=r"'weight_decy' \(did you mean 'weight_decay'\?\)"):
+        TrainConfig().replace(weight_decy=0.1)

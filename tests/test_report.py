@@ -11,7 +11,7 @@ from PIL import Image
 
 import vitkit
 from shapes_vit import trained_shapes_vit
-from vitkit import inspect as vi
+from vitkit import analysis as vi
 from vitkit.cli import main
 from vitkit.data import ShapesDataset
 from vitkit.model import VisionTransformer
@@ -54,7 +54,7 @@ def tiny(**kwargs) -> VisionTransformer:
 
 def test_inspect_cli_on_a_trained_model_writes_a_self_contained_report(tmp_path, capsys):
     checkpoint = tmp_path / "shapes.safetensors"
-    vitkit.save(trained_shapes_vit(), checkpoint)
+    vitkit.export(trained_shapes_vit(), checkpoint)
     out = tmp_path / "report"
     assert (
         main(["inspect", "--checkpoint", str(checkpoint), "--data", "shapes", "--samples", "6", "--out", str(out)]) == 0
@@ -73,7 +73,7 @@ def test_inspect_cli_on_a_trained_model_writes_a_self_contained_report(tmp_path,
 
 def test_inspect_cli_reads_image_files_of_any_size_and_mode(tmp_path):
     checkpoint = tmp_path / "tiny.safetensors"
-    vitkit.save(tiny(), checkpoint)
+    vitkit.export(tiny(), checkpoint)
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 255, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     Image.fromarray(rng.integers(0, 255, (20, 20), dtype=np.uint8), mode="L").save(tmp_path / "b.jpg")
@@ -94,13 +94,13 @@ def test_load_images_gives_model_input_at_the_model_resolution(tmp_path):
 
 def test_inspect_cli_names_a_missing_image_file(tmp_path, capsys):
     checkpoint = tmp_path / "tiny.safetensors"
-    vitkit.save(tiny(), checkpoint)
+    vitkit.export(tiny(), checkpoint)
     code = main(["inspect", "--checkpoint", str(checkpoint), "--image", "nope.png", "--out", str(tmp_path)])
     assert code == 2 and "nope.png: no such image file" in capsys.readouterr().err
 
 
 def test_report_explains_figures_a_model_cannot_have(tmp_path):
-    stem = vitkit.ResNetConfig(num_layers=(1, 1))  # stride 8
+    stem = vitkit.ResNetConfig(units=(1, 1))  # stride 8
     spec = dict(image_size=32, patch_size=2, num_classes=2, hidden_size=32, num_heads=2, mlp_dim=32, num_layers=1)
     hybrid = VisionTransformer(vitkit.ViTConfig(hybrid=stem, posemb="relative", **spec))
     samples = Samples(torch.rand(1, 3, 32, 32) * 2 - 1, ["noise"])

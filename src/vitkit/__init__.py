@@ -1,16 +1,34 @@
-"""vitkit: the Vision Transformer of Dosovitskiy et al. (ICLR 2021) in PyTorch."""
+"""vitkit: the Vision Transformer of Dosovitskiy et al. (ICLR 2021) in PyTorch.
 
-from . import inspect
-from .checkpoints import export, load, load_checkpoint, save
+`import vitkit` loads the model, its configs and checkpoints; the training, evaluation and analysis stacks
+(torchvision, tqdm, matplotlib) are imported the first time one of their names is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .checkpoints import export, load_checkpoint, load_pretrained
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
-from .evaluate import evaluate, predict
 from .model import VisionTransformer
-from .pretrained import list_pretrained, load_pretrained
+from .pretrained import list_pretrained
 from .recipes import TrainConfig
-from .train import train
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
+
+# Public names whose modules load on first use: name -> module.
+_LAZY = {"train": "training", "evaluate": "evaluation", "predict": "evaluation"}
+_SUBMODULES = ("analysis", "data", "formats", "report", "training", "evaluation")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'vitkit' has no attribute {name!r}")
 
 
 def create_model(name: str, pretrained: str | None = None, **overrides) -> VisionTransformer:
@@ -29,16 +47,13 @@ __all__ = [
     "count_params",
     "create_model",
     "decode_variant",
-    "export",
     "evaluate",
+    "export",
     "flops",
-    "inspect",
     "list_models",
     "list_pretrained",
-    "load",
     "load_checkpoint",
     "load_pretrained",
     "predict",
-    "save",
     "train",
 ]

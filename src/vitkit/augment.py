@@ -111,7 +111,8 @@ def train_batch(
     crops, start = [], 0
     for part in _as_batches(images):
         d = draws[start : start + len(part)]
-        boxes = crop_boxes(*part.shape[-2:], d, config.crop_scale, config.crop_ratio)
+        height, width = part.shape[-2:]
+        boxes = crop_boxes(height, width, d, config.crop_scale, config.crop_ratio)
         crops.append(crop_and_resize(part, boxes, image_size))
         start += len(part)
     x = torch.cat(crops)  # (B, C, h, w) uint8

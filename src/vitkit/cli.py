@@ -77,7 +77,7 @@ def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or with --resume continue) a run; exit status 130 when interrupted after saving a checkpoint."""
-    from .train import train
+    from .training import train
 
     if args.resume:
         result = train(resume=args.resume)
@@ -89,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split."""
     from .data import get_dataset
-    from .evaluate import evaluate, format_eval
+    from .evaluation import evaluate, format_eval
 
     model = load_checkpoint(args.checkpoint)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
@@ -107,12 +107,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
-    from .evaluate import predict
+    from .evaluation import predict
 
     model = load_checkpoint(args.checkpoint)
     for path, top in zip(args.images, predict(model, args.images, args.top_k)):
         print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
     return 0
+
+
+# Other spellings of TrainConfig options, kept working for existing command lines.
+OPTION_ALIASES = {"trainable": ["--train"]}
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
@@ -121,19 +125,19 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR exactly")
     defaults = TrainConfig()
     for name, kind in field_types().items():
-        flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+        flags, default = ["--" + name.replace("_", "-"), *OPTION_ALIASES.get(name, [])], getattr(defaults, name)
         text = f"(default {default!r})"
         if kind in (dict, dict | None):
-            p.add_argument(flag, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
+            p.add_argument(*flags, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
                            help=f"{text}")  # fmt: skip
         elif kind in (bool, bool | None):
-            p.add_argument(flag, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
+            p.add_argument(*flags, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
-            item = int if kind == tuple[int, int] | None else float
-            p.add_argument(flag, dest=name, type=item, nargs=2, default=argparse.SUPPRESS, help=text)
+            number = int if kind == tuple[int, int] | None else float
+            p.add_argument(*flags, dest=name, type=number, nargs=2, default=argparse.SUPPRESS, help=text)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
-            p.add_argument(flag, dest=name, type=item, default=argparse.SUPPRESS, help=text)
+            p.add_argument(*flags, dest=name, type=item, default=argparse.SUPPRESS, help=text)
 
 
 def _mapping(text: str) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,22 @@ HYBRID_STAGES: dict[tuple[str, int], tuple[int, ...]] = {
 
 
 def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
-    if isinstance(value, int):
-        value = (value, value)
-    value = tuple(value)
-    if len(value) != 2 or not all(isinstance(v, int) and v > 0 for v in value):
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
         raise ValueError(f"{name}={value!r} is invalid: give a positive int or an (height, width) pair of them.")
-    return value  # type: ignore[return-value]
+    return pair[0], pair[1]
+
+
+def check_fields(cls: type, names: Iterable[str]) -> None:
+    """Raise ValueError naming each of `names` that is not a field of the dataclass `cls`, with the closest."""
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(names) - set(valid))
+    if unknown:
+        named = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, valid, n=1)
+            named.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+        raise ValueError(f"unknown {cls.__name__} field(s) {', '.join(named)}; valid fields: {', '.join(valid)}.")
 
 
 def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:
@@ -48,25 +59,25 @@ def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:
 class ResNetConfig:
     """The hybrid's ResNet stem: units per stage (the official R50 hybrid uses (3, 4, 9)) and a width factor."""
 
-    num_layers: tuple[int, ...] = (3, 4, 9)
+    units: tuple[int, ...] = (3, 4, 9)  # bottleneck units per stage (big_vision calls it `num_layers`)
     width_factor: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_layers", tuple(self.num_layers))
-        if not all(isinstance(n, int) and n > 0 for n in self.num_layers):
-            raise ValueError(f"ResNetConfig.num_layers={self.num_layers!r}: every stage needs >= 1 unit.")
+        object.__setattr__(self, "units", tuple(self.units))
+        if not all(isinstance(n, int) and n > 0 for n in self.units):
+            raise ValueError(f"ResNetConfig.units={self.units!r}: every stage needs >= 1 unit.")
         if self.width_factor < 1:
             raise ValueError(f"ResNetConfig.width_factor={self.width_factor}: must be >= 1.")
 
     @property
     def stride(self) -> int:
         """Pixels per feature-map cell: 4 from the root conv and max-pool, x2 for every stage after the first."""
-        return 4 * 2 ** max(len(self.num_layers) - 1, 0)
+        return 4 * 2 ** max(len(self.units) - 1, 0)
 
     @property
     def out_channels(self) -> int:
         width = 64 * self.width_factor
-        return width if not self.num_layers else 4 * width * 2 ** (len(self.num_layers) - 1)
+        return width if not self.units else 4 * width * 2 ** (len(self.units) - 1)
 
 
 @dataclass(frozen=True)
@@ -77,8 +88,8 @@ class ViTConfig:
     uses 1x1 patches on the stride-16 ResNet feature map).
     """
 
-    image_size: int | tuple[int, int] = 224
-    patch_size: int | tuple[int, int] = 16
+    image_size: tuple[int, int] = (224, 224)  # an int n is taken as (n, n)
+    patch_size: tuple[int, int] = (16, 16)  # likewise
     in_chans: int = 3
     num_classes: int = 1000
     hidden_size: int = 768
@@ -102,7 +113,11 @@ class ViTConfig:
         object.__setattr__(self, "image_size", _pair(self.image_size, "image_size"))
         object.__setattr__(self, "patch_size", _pair(self.patch_size, "patch_size"))
         if isinstance(self.hybrid, dict):
-            object.__setattr__(self, "hybrid", ResNetConfig(**self.hybrid))
+            stem = dict(self.hybrid)
+            if "num_layers" in stem:  # the name of `units` in files written by vitkit 0.1
+                stem["units"] = stem.pop("num_layers")
+            check_fields(ResNetConfig, stem)
+            object.__setattr__(self, "hybrid", ResNetConfig(**stem))
         _choice(self.classifier, CLASSIFIERS, "classifier")
         _choice(self.posemb, POSEMBS, "posemb")
         _choice(self.act, ACTS, "act")
@@ -139,12 +154,12 @@ class ViTConfig:
     def patch_stride(self) -> tuple[int, int]:
         """Pixels between neighbouring tokens (patch size times the hybrid stem's stride)."""
         scale = self.hybrid.stride if self.hybrid else 1
-        return (self.patch_size[0] * scale, self.patch_size[1] * scale)  # type: ignore[index]
+        return (self.patch_size[0] * scale, self.patch_size[1] * scale)
 
     @property
     def grid_size(self) -> tuple[int, int]:
         """(gh, gw): tokens per column and per row."""
-        return (self.image_size[0] // self.patch_stride[0], self.image_size[1] // self.patch_stride[1])  # type: ignore[index]
+        return (self.image_size[0] // self.patch_stride[0], self.image_size[1] // self.patch_stride[1])
 
     @property
     def num_patches(self) -> int:
@@ -157,9 +172,7 @@ class ViTConfig:
 
     def replace(self, **changes: Any) -> ViTConfig:
         """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ValueError(f"unknown ViTConfig field(s) {sorted(unknown)}; valid fields: {field_names()}.")
+        check_fields(ViTConfig, changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,14 +180,8 @@ class ViTConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ViTConfig:
-        unknown = set(data) - set(field_names())
-        if unknown:
-            raise ValueError(f"unknown ViTConfig field(s) {sorted(unknown)}; valid fields: {field_names()}.")
+        check_fields(cls, data)
         return cls(**data)
-
-
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(ViTConfig)]
 
 
 _NAME = re.compile(r"^(?:(R\d+)\+)?ViT-(Ti|S|B|L|H)/(\d+)$", re.IGNORECASE)
@@ -209,11 +216,9 @@ def decode_variant(name: str, **overrides: Any) -> ViTConfig:
         if key not in HYBRID_STAGES:
             known = ", ".join(f"{s}+ViT-*/{p}" for s, p in HYBRID_STAGES)
             raise ValueError(f"unknown hybrid {name!r}: the known ResNet stems are {known}.")
-        spec.update(patch_size=1, hybrid=ResNetConfig(num_layers=HYBRID_STAGES[key]))
+        spec.update(patch_size=1, hybrid=ResNetConfig(units=HYBRID_STAGES[key]))
     else:
         spec.update(patch_size=patch)
+    check_fields(ViTConfig, overrides)
     spec.update(overrides)
-    unknown = set(spec) - set(field_names())
-    if unknown:
-        raise ValueError(f"unknown ViTConfig field(s) {sorted(unknown)}; valid fields: {field_names()}.")
     return ViTConfig(**spec)

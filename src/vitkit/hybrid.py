@@ -85,7 +85,7 @@ class ResNetStem(nn.Module):
         self.conv_root = StdConv2d(in_chans, width, 7, stride=2)
         self.gn_root = group_norm(width)
         stages, cin = [], width
-        for i, units in enumerate(config.num_layers):
+        for i, units in enumerate(config.units):
             stage_width = width * 2**i
             blocks = [Bottleneck(cin, stage_width, 1 if i == 0 else 2)]
             blocks += [Bottleneck(4 * stage_width, stage_width, 1) for _ in range(units - 1)]

@@ -109,6 +109,7 @@ class SinCos2dPosemb(nn.Module):
     def __init__(self, grid: tuple[int, int], dim: int, num_prefix: int):
         super().__init__()
         self.num_prefix, self.dim = num_prefix, dim
+        self.table: torch.Tensor
         self.register_buffer("table", posemb_sincos_2d(grid, dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,10 @@ class NoPosemb(nn.Module):
         pass
 
 
-def build_posemb(config: ViTConfig) -> nn.Module:
+Posemb = LearnedPosemb | Learned2dPosemb | SinCos2dPosemb | RelativePosemb | NoPosemb
+
+
+def build_posemb(config: ViTConfig) -> Posemb:
     prefix = int(config.classifier == "token")
     grid, dim = config.grid_size, config.hidden_size
     if config.posemb == "learn":
@@ -306,7 +310,7 @@ class VisionTransformer(nn.Module):
         cin = self.stem.out_channels if self.stem else config.in_chans
         self.embedding = nn.Conv2d(cin, dim, config.patch_size, stride=config.patch_size)  # E of eq. (1)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.classifier == "token" else None
-        self.posemb = build_posemb(config)
+        self.posemb: Posemb = build_posemb(config)
         self.dropout = nn.Dropout(config.dropout_rate)
         rates = [config.drop_path_rate * i / max(config.num_layers - 1, 1) for i in range(config.num_layers)]
         self.blocks = nn.ModuleList(EncoderBlock(config, rate) for rate in rates)
@@ -437,7 +441,8 @@ class VisionTransformer(nn.Module):
                 nn.init.zeros_(m.bias)
         fan_in = self.embedding.in_channels * self.embedding.kernel_size[0] * self.embedding.kernel_size[1]
         nn.init.trunc_normal_(self.embedding.weight, std=math.sqrt(1.0 / fan_in) if jax else 0.02)
-        nn.init.zeros_(self.embedding.bias)
+        if self.embedding.bias is not None:
+            nn.init.zeros_(self.embedding.bias)
         if self.stem is not None:
             self.stem.init_weights()
         for p in self.posemb.parameters():

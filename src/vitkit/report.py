@@ -1,4 +1,4 @@
-"""The inspection report: the figures of `vitkit.inspect` drawn with matplotlib (no display needed) and gathered
+"""The inspection report: the figures of `vitkit.analysis` drawn with matplotlib (no display needed) and gathered
 into one self-contained `report.html`, every image embedded as a data URI, each with a caption that says what
 it shows and what it does not.
 """
@@ -19,7 +19,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from . import inspect as vi
+from . import analysis as vi
 from .data import DATASETS, get_dataset, read_image, to_input
 from .model import VisionTransformer
 
@@ -335,7 +335,7 @@ th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; } th { back
 
 
 def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.PathLike, title: str = "") -> Path:
-    """Compute every figure of `vitkit.inspect` for `model` on `samples`, write each as a PNG into `out_dir`
+    """Compute every figure of `vitkit.analysis` for `model` on `samples`, write each as a PNG into `out_dir`
     and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .checkpoints import atomic_write
+from .files import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -127,7 +127,7 @@ def plot_run(run_dir: str | os.PathLike, confusion: torch.Tensor | None, classes
         for i in range(k):
             for j in range(k):
                 if confusion[i, j]:
-                    ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7)
+                    ax.text(j, i, str(int(confusion[i, j])), ha="center", va="center", fontsize=7)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title("confusion matrix (test)")

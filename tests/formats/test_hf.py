@@ -61,7 +61,7 @@ def test_random_hf_model_loads_with_the_same_outputs(tmp_path, case):
 def test_hf_pytorch_model_bin_directory_loads(tmp_path):
     theirs = perturbed(ViTForImageClassification(HFConfig(**TINY)))
     theirs.save_pretrained(tmp_path)  # the on-disk names, which transformers 5 renames in memory
-    weights = vitkit.checkpoints.read_safetensors(tmp_path / "model.safetensors")[0]
+    weights = vitkit.files.read_safetensors(tmp_path / "model.safetensors")[0]
     (tmp_path / "model.safetensors").unlink()
     torch.save(weights, tmp_path / "pytorch_model.bin")
     assert_loads_with_their_logits(tmp_path, theirs)

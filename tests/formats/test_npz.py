@@ -151,7 +151,7 @@ def test_new_head_for_new_classes_is_zero_initialised(fixtures_dir):
 ROUND_TRIPS = {
     "token": dict(),
     "gap_pre_logits": dict(classifier="gap", representation_size=24),
-    "hybrid": dict(image_size=16, patch_size=1, hybrid=ResNetConfig(num_layers=(1,))),
+    "hybrid": dict(image_size=16, patch_size=1, hybrid=ResNetConfig(units=(1,))),
 }
 
 

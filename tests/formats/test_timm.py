@@ -83,7 +83,7 @@ def test_timm_export_loads_strictly_into_timm_with_the_same_outputs(tmp_path, ca
     ours = perturbed(VisionTransformer(ViTConfig(**base | changes)))
     vitkit.export(ours, tmp_path / "t.safetensors", format="timm")
     theirs = TimmViT(**TINY | dict(num_heads=2) | timm_args).eval()
-    theirs.load_state_dict(vitkit.checkpoints.read_safetensors(tmp_path / "t.safetensors")[0], strict=True)
+    theirs.load_state_dict(vitkit.files.read_safetensors(tmp_path / "t.safetensors")[0], strict=True)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)

@@ -1,44 +1,44 @@
-"""The checkpoint formats of the ViT ecosystem, each a module with `load(path, image_size, **overrides)` and
-`export(model, path)`: official / big_vision `.npz` (`npz`), timm state dicts (`timm`), Hugging Face
-directories (`hf`), Hugging Face Dinov2Model directories (`dinov2`, load only), ONNX backbone graphs (`onnx`,
-load only). vitkit's own format lives in `vitkit.checkpoints`, which dispatches here."""
+"""The checkpoint formats of the ViT ecosystem as one registry.
+
+Every format is a module with the same interface: `NAME`; `detect(path) -> bool`, which recognises its files
+from their kind, name and headers; `load(path, image_size=None, **overrides) -> VisionTransformer`; and
+`export(model, path)`. They are vitkit's own safetensors files (`vitkit`), official and big_vision `.npz`
+(`npz`), Hugging Face directories (`hf`), timm state dicts (`timm`), and two load-only ones: Hugging Face
+Dinov2Model directories (`dinov2`) and ONNX graphs of ViT backbones (`onnx`). `vitkit.checkpoints` is the
+facade.
+"""
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
+from types import ModuleType
 
-from safetensors import SafetensorError, safe_open
+from . import dinov2, hf, npz, onnx, timm, vitkit
 
-from ..checkpoints import FORMAT as VITKIT
-from . import dinov2, hf, npz, onnx, timm
+# In the order `detect_format` asks them: vitkit before timm, since both are safetensors files.
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (vitkit, npz, hf, dinov2, timm, onnx)}
 
-MODULES = {"npz": npz, "timm": timm, "hf": hf, "dinov2": dinov2, "onnx": onnx}
-FORMATS = (VITKIT, *MODULES)
+
+def get_format(name: str) -> ModuleType:
+    """The module of the format called `name`; an error lists the known ones."""
+    if name not in FORMATS:
+        close = difflib.get_close_matches(name, FORMATS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"format={name!r} is unknown: use one of {', '.join(FORMATS)}.{hint}")
+    return FORMATS[name]
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """The format of a checkpoint from its kind and name: a directory is Hugging Face (`dinov2` if its config says
-    so), `.npz` official or big_vision, a safetensors file vitkit's if its metadata says so (else timm), `.pth` /
-    `.bin` timm, `.onnx` an ONNX graph."""
+    """The name of the format of a checkpoint: the first whose `detect` recognises it."""
     path = Path(path)
-    if path.is_dir():
-        return "dinov2" if dinov2.detect(path) else "hf"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory.")
-    suffix = path.suffix.lower()
-    if suffix == ".npz":
-        return "npz"
-    if onnx.detect(path):
-        return "onnx"
-    if suffix == ".safetensors":
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return VITKIT if (f.metadata() or {}).get("format") == VITKIT else "timm"
-        except (SafetensorError, OSError, ValueError):
-            return "timm"  # unreadable: the timm reader reports it, naming the file
-    if suffix in (".pth", ".pt", ".bin"):
-        return "timm"
+    for name, module in FORMATS.items():
+        if module.detect(path):
+            return name
     raise ValueError(
-        f"{path}: cannot tell the format from the suffix {suffix!r}; pass format= one of {', '.join(FORMATS)}."
+        f"{path}: cannot tell its checkpoint format from its kind and name ({path.suffix or 'no suffix'!r}); "
+        f"pass format= one of {', '.join(FORMATS)}."
     )

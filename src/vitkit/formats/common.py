@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import zipfile
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..config import ViTConfig, field_names
+from ..config import ViTConfig, check_fields
+from ..files import Tensors
 from ..model import VisionTransformer
-
-Tensors = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -51,7 +46,7 @@ def fused_qkv(ours: str, q: str, k: str, v: str, split: Callable, merge: Callabl
 
 
 def shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """`t` itself if it has `shape`; otherwise a RuntimeError, which `build_model` reports as a shape mismatch."""
+    """`t` itself if it has `shape`; otherwise a RuntimeError, which `model_from_rules` reports as a shape mismatch."""
     if tuple(t.shape) != tuple(shape):
         raise RuntimeError(f"expected shape {tuple(shape)}, got {tuple(t.shape)}")
     return t
@@ -62,7 +57,7 @@ def _listing(names: list[str], limit: int = 12) -> str:
     return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
 
 
-def build_model(
+def model_from_rules(
     config: ViTConfig, rules: list[Rule], tensors: Tensors, path: str | os.PathLike, format: str
 ) -> VisionTransformer:
     """A model of `config` with its weights taken from `tensors` through `rules`, every tensor accounted for.
@@ -157,36 +152,11 @@ def infer_grid(
 
 def make_config(inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike) -> ViTConfig:
     """The inferred config with the user's overrides on top, validated."""
-    unknown = sorted(set(overrides) - set(field_names()))
-    if unknown:
-        raise ValueError(f"unknown override(s) {unknown}; valid ViTConfig fields: {field_names()}.")
+    check_fields(ViTConfig, overrides)
     try:
         return ViTConfig(**{**inferred, **overrides})
     except ValueError as e:
         raise ValueError(f"{path}: the config inferred from the checkpoint is invalid: {e}") from e
-
-
-def read_npz(path: str | os.PathLike) -> Tensors:
-    """Every array of an `.npz` file as a tensor; object arrays (pickles) are refused."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, zlib.error) as e:
-        raise ValueError(f"{path}: not a readable .npz file ({e}). Is it truncated or of another format?") from e
-
-
-def read_torch(path: str | os.PathLike) -> Tensors:
-    """A `.pth` / `.bin` state dict through `torch.load(weights_only=True)`: plain tensors only, no code runs."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
-        raise ValueError(
-            f"{path}: refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
-            "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code."
-        ) from e
-    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-        raise ValueError(f"{path}: expected a flat state dict of tensors, got {type(data).__name__} of other things.")
-    return dict(data)
 
 
 def interpolated_posemb(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import ViTConfig
 from ..model import VisionTransformer
-from .common import Rule, Tensors, build_model, fused_qkv, interpolated_posemb, make_config, rename
+from .common import Rule, Tensors, fused_qkv, interpolated_posemb, make_config, model_from_rules, rename
 from .hf import linear, read_weights
 
 NAME = FORMAT = "dinov2"
@@ -111,7 +111,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     key = "embeddings.position_embeddings"
     if key in tensors:
         tensors[key] = interpolated_posemb(tensors[key], 1, config.grid_size)
-    return build_model(config, rules_for(config), tensors, directory, "Hugging Face Dinov2Model")
+    return model_from_rules(config, rules_for(config), tensors, directory, "Hugging Face Dinov2Model")
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:

@@ -14,22 +14,21 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..checkpoints import atomic_write, read_safetensors
 from ..config import ViTConfig
+from ..files import atomic_write, read_safetensors, read_torch
 from ..model import VisionTransformer
 from .common import (
     Rule,
     Tensors,
-    build_model,
     export_tensors,
     fused_qkv,
     make_config,
-    read_torch,
+    model_from_rules,
     rename,
     require_learned_posemb,
 )
 
-FORMAT = "hf"
+NAME = "hf"
 ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -119,6 +118,17 @@ def class_names_of(hf: dict, num_classes: int) -> list[str] | None:
     return [labels[i] for i in range(num_classes)]
 
 
+def detect(path: Path) -> bool:
+    """A directory, unless its config.json names another model type than ViT (a DINOv2 directory, say)."""
+    if not path.is_dir():
+        return False
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type", "vit")
+    except (OSError, ValueError, AttributeError):
+        return True  # no or broken config.json: `load` says what is wrong with the directory
+    return model_type == "vit"
+
+
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
     """A Hugging Face ViT directory as a model (`image_size` here only adapts, the native one is in config.json)."""
     directory = Path(path)
@@ -131,7 +141,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     tensors = read_weights(directory)
     config = infer_config(hf, tensors, directory, overrides)
     prefix = "vit." if any(k.startswith("vit.") for k in tensors) else ""
-    model = build_model(config, rules_for(config, prefix), tensors, directory, "Hugging Face ViT")
+    model = model_from_rules(config, rules_for(config, prefix), tensors, directory, "Hugging Face ViT")
     model.class_names = class_names_of(hf, config.num_classes)
     return model
 
@@ -139,7 +149,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     """A directory that `transformers.ViTForImageClassification.from_pretrained` loads (`ViTModel` if headless)."""
     config = model.config
-    require_learned_posemb(config, FORMAT)
+    require_learned_posemb(config, NAME)
     unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in
                    (("classifier", config.classifier == "token"), ("hybrid", not config.hybrid),
                     ("layer_scale_init", not config.layer_scale_init)) if not ok]  # fmt: skip
@@ -153,7 +163,7 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
             "Hugging Face ViTForImageClassification has no pre-logits layer: drop it with model.reset_head(...) "
             "or export the headless model (num_classes=0), whose pre-logits become ViTModel's pooler."
         )
-    tensors = export_tensors(model, rules_for(config, "vit." if config.num_classes else ""), FORMAT)
+    tensors = export_tensors(model, rules_for(config, "vit." if config.num_classes else ""), NAME)
     names = model.class_names or [f"LABEL_{i}" for i in range(config.num_classes)]
     square = lambda pair: pair[0] if pair[0] == pair[1] else list(pair)
     hf = {

@@ -11,29 +11,29 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..checkpoints import atomic_write
 from ..config import ResNetConfig, ViTConfig
+from ..files import atomic_write, read_npz
 from ..model import VisionTransformer
 from .common import (
     Rule,
     Tensors,
-    build_model,
     export_tensors,
     fused_qkv,
     infer_grid,
     make_config,
-    read_npz,
+    model_from_rules,
     rename,
     require,
     require_learned_posemb,
     shaped,
 )
 
-FORMAT = "npz"
+NAME = "npz"
 # Sub-module names inside an encoder block: (pre-attention LN, attention, pre-MLP LN, MLP).
 RELEASED_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
 FLAX_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_0", "LayerNorm_1", "MlpBlock_0")
@@ -73,7 +73,7 @@ def attention(ours: str, theirs: str, config: ViTConfig) -> list[Rule]:
     q, k, v = (f"{theirs}/{n}" for n in ("query", "key", "value"))
     rules = [
         fused_qkv(
-            f"{ours}.qkv.weight", *(f"{n}/kernel" for n in (q, k, v)),
+            f"{ours}.qkv.weight", f"{q}/kernel", f"{k}/kernel", f"{v}/kernel",
             merge=lambda t: shaped(t, kernel).reshape(d, d).T, split=lambda w: w.T.reshape(kernel),
         ),
         Rule(
@@ -85,7 +85,7 @@ def attention(ours: str, theirs: str, config: ViTConfig) -> list[Rule]:
     if config.qkv_bias:
         rules.append(
             fused_qkv(
-                f"{ours}.qkv.bias", *(f"{n}/bias" for n in (q, k, v)),
+                f"{ours}.qkv.bias", f"{q}/bias", f"{k}/bias", f"{v}/bias",
                 merge=lambda t: shaped(t, bias).reshape(d), split=lambda b: b.reshape(bias),
             )
         )  # fmt: skip
@@ -101,7 +101,7 @@ def resnet_rules(config: ResNetConfig) -> list[Rule]:
     """The hybrid stem: root conv + GroupNorm, then `block{s}/unit{u}` bottlenecks (projection in each first unit)."""
     gn_shape = (1, 1, 1, -1)
     rules = [conv("stem.conv_root", "conv_root"), *norm("stem.gn_root", "gn_root", gn_shape)]
-    for s, units in enumerate(config.num_layers):
+    for s, units in enumerate(config.units):
         for u in range(units):
             ours, theirs = f"stem.stages.{s}.{u}", f"block{s + 1}/unit{u + 1}"
             for i in ("1", "2", "3") + (("_proj",) if u == 0 else ()):
@@ -154,13 +154,13 @@ def normalise(tensors: Tensors) -> Tensors:
 
 def infer_config(tensors: Tensors, path: str | os.PathLike, image_size, overrides: dict) -> tuple[ViTConfig, dict]:
     """The whole config from the array shapes; returns it with the layout options for `rules_for`."""
-    kernel = require(tensors, "embedding/kernel", path, FORMAT)  # (ph, pw, Cin, D)
+    kernel = require(tensors, "embedding/kernel", path, NAME)  # (ph, pw, Cin, D)
     names = RELEASED_NAMES if f"Transformer/encoderblock_0/{RELEASED_NAMES[1]}/query/kernel" in tensors else FLAX_NAMES
     block0 = f"Transformer/encoderblock_0/{names[1]}"
-    query = require(tensors, f"{block0}/query/kernel", path, FORMAT)  # (D, heads, D/heads)
-    mlp = require(tensors, f"Transformer/encoderblock_0/{names[3]}/Dense_0/kernel", path, FORMAT)  # (D, mlp_dim)
+    query = require(tensors, f"{block0}/query/kernel", path, NAME)  # (D, heads, D/heads)
+    mlp = require(tensors, f"Transformer/encoderblock_0/{names[3]}/Dense_0/kernel", path, NAME)  # (D, mlp_dim)
     big_vision = POSEMB not in tensors
-    posemb = require(tensors, BIG_VISION_POSEMB if big_vision else POSEMB, path, FORMAT)  # (1, N, D)
+    posemb = require(tensors, BIG_VISION_POSEMB if big_vision else POSEMB, path, NAME)  # (1, N, D)
     token = "cls" in tensors
     hybrid = None
     in_chans = kernel.shape[2]
@@ -168,7 +168,7 @@ def infer_config(tensors: Tensors, path: str | os.PathLike, image_size, override
         units = sorted((int(m[1]), int(m[2])) for k in tensors if (m := _UNIT.match(k)))
         stages = max(s for s, _ in units)
         hybrid = ResNetConfig(
-            num_layers=tuple(max(u for s, u in units if s == stage) for stage in range(1, stages + 1)),
+            units=tuple(max(u for s, u in units if s == stage) for stage in range(1, stages + 1)),
             width_factor=tensors["conv_root/kernel"].shape[3] // 64,
         )
         in_chans = tensors["conv_root/kernel"].shape[2]
@@ -195,20 +195,25 @@ def infer_config(tensors: Tensors, path: str | os.PathLike, image_size, override
     return make_config(inferred, overrides, path), dict(names=names, big_vision=big_vision)
 
 
+def detect(path: Path) -> bool:
+    """An `.npz` file: official, newer Flax or big_vision names are told apart when loading."""
+    return path.is_file() and path.suffix.lower() == ".npz"
+
+
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
     """An official or big_vision `.npz` as a model, config inferred from the arrays."""
     tensors = normalise(read_npz(path))
     config, layout = infer_config(tensors, path, image_size, overrides)
-    return build_model(config, rules_for(config, **layout), tensors, path, FORMAT)
+    return model_from_rules(config, rules_for(config, **layout), tensors, path, NAME)
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     """Write the released official layout (float32), which `vit_jax` and `load` read. Class names have no place."""
-    require_learned_posemb(model.config, FORMAT)
-    arrays = {k: v.float().numpy() for k, v in export_tensors(model, rules_for(model.config), FORMAT).items()}
+    require_learned_posemb(model.config, NAME)
+    arrays = {k: v.float().numpy() for k, v in export_tensors(model, rules_for(model.config), NAME).items()}
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as its options
 
     atomic_write(path, write)

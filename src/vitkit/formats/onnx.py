@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..model import VisionTransformer
-from .common import Tensors, _listing, build_model, interpolated_posemb, make_config, rename
+from .common import Tensors, _listing, interpolated_posemb, make_config, model_from_rules, rename
 
 NAME = FORMAT = "onnx"
 PASS_THROUGH = {"Reshape", "Transpose", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Mul", "Div"}
@@ -430,11 +430,11 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
         table = interpolated_posemb(table, 1, config.grid_size, mode, p.resize["antialias"])
     elif side * side == table.shape[1] - 1 and (side, side) != config.grid_size:
         config, wanted = config.replace(image_size=(side * p.patch[0], side * p.patch[1])), config.image_size
-        model = build_model(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
+        model = model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
         model.set_image_size(wanted)
         return model
     p.tensors["posemb.weight"] = table
-    return build_model(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
+    return model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:

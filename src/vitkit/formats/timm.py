@@ -16,23 +16,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoints import atomic_write, read_safetensors
 from ..config import ViTConfig
+from ..files import atomic_write, read_safetensors, read_torch
 from ..model import VisionTransformer
 from .common import (
     Rule,
     Tensors,
-    build_model,
     export_tensors,
     infer_grid,
     make_config,
-    read_torch,
+    model_from_rules,
     rename,
     require,
     require_learned_posemb,
 )
 
-FORMAT = "timm"
+NAME = "timm"
 _RENAMED = (("embedding.", "patch_embed.proj."), ("posemb.weight", "pos_embed"), ("encoder_norm.", "norm."))
 
 
@@ -53,7 +52,7 @@ def rules_for(config: ViTConfig) -> list[Rule]:
 
 def infer_config(tensors: Tensors, path: str | os.PathLike, image_size) -> dict:
     """The config fields the tensor shapes determine; the heads by timm's rule (hidden_size // 64)."""
-    require(tensors, "patch_embed.proj.weight", path, FORMAT)
+    require(tensors, "patch_embed.proj.weight", path, NAME)
     if "fc_norm.weight" in tensors:
         raise ValueError(
             f"{path}: this timm model applies its final LayerNorm after pooling (fc_norm, global_pool='avg'); "
@@ -62,7 +61,7 @@ def infer_config(tensors: Tensors, path: str | os.PathLike, image_size) -> dict:
     kernel = tensors["patch_embed.proj.weight"]  # (D, Cin, ph, pw)
     hidden, token = kernel.shape[0], "cls_token" in tensors
     patch = (kernel.shape[2], kernel.shape[3])
-    posemb = require(tensors, "pos_embed", path, FORMAT)  # (1, N, D), class-token row included
+    posemb = require(tensors, "pos_embed", path, NAME)  # (1, N, D), class-token row included
     grid = infer_grid(posemb.shape[1] - token, image_size, patch, path)
     return dict(
         image_size=(grid[0] * patch[0], grid[1] * patch[1]),
@@ -72,13 +71,18 @@ def infer_config(tensors: Tensors, path: str | os.PathLike, image_size) -> dict:
         hidden_size=hidden,
         num_layers=len({k.split(".")[1] for k in tensors if k.startswith("blocks.")}),
         num_heads=hidden // 64,
-        mlp_dim=require(tensors, "blocks.0.mlp.fc1.weight", path, FORMAT).shape[0],
+        mlp_dim=require(tensors, "blocks.0.mlp.fc1.weight", path, NAME).shape[0],
         classifier="token" if token else "gap",
         layer_scale_init=1e-5 if "blocks.0.ls1.gamma" in tensors else None,
         act="gelu",
         layer_norm_eps=1e-6,
         qkv_bias="blocks.0.attn.qkv.bias" in tensors,
     )
+
+
+def detect(path: Path) -> bool:
+    """A state-dict file: `.safetensors` (not vitkit's, which is asked first) or `.pth` / `.pt` / `.bin`."""
+    return path.is_file() and path.suffix.lower() in (".safetensors", ".pth", ".pt", ".bin")
 
 
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
@@ -97,7 +101,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
                 f"{inferred['hidden_size']} is not a multiple of 64 (timm's usual head width): pass num_heads=."
             )
     config = make_config(inferred, overrides, path)
-    model = build_model(config, rules_for(config), tensors, path, FORMAT)
+    model = model_from_rules(config, rules_for(config), tensors, path, NAME)
     if "class_names" in metadata:
         model.class_names = json.loads(metadata["class_names"])
     return model
@@ -110,12 +114,12 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     `num_classes`, `class_token=False, global_pool='avg', fc_norm=False` for gap models, `init_values` with layer
     scale, and a tanh `act_layer` for gelu_tanh models. timm has no pre-logits layer.
     """
-    require_learned_posemb(model.config, FORMAT)
+    require_learned_posemb(model.config, NAME)
     if model.config.hybrid:
         raise ValueError(f"hybrid={model.config.hybrid}: timm's hybrid layout differs; export to 'npz' or 'vitkit'.")
     if model.config.representation_size:
         raise ValueError("timm's VisionTransformer has no pre-logits layer: drop it with model.reset_head(...) first.")
-    tensors: Tensors = export_tensors(model, rules_for(model.config), FORMAT)
+    tensors: Tensors = export_tensors(model, rules_for(model.config), NAME)
     metadata = {"format": "pt", "vitkit_config": json.dumps(model.config.to_dict())}
     if model.class_names is not None:
         metadata["class_names"] = json.dumps(list(model.class_names))

@@ -9,7 +9,7 @@ from torch import nn
 
 import vitkit
 from shapes_vit import held_out_shapes, trained_shapes_vit
-from vitkit import inspect as vi
+from vitkit import analysis as vi
 from vitkit.model import VisionTransformer
 
 
@@ -122,7 +122,7 @@ def test_filter_pca_variance_is_the_variance_of_the_filters_along_each_component
 
 
 def test_filter_pca_reports_the_hybrid_embedding_is_not_image_like():
-    stem = vitkit.ResNetConfig(num_layers=(1, 1))  # stride 8, 512 channels
+    stem = vitkit.ResNetConfig(units=(1, 1))  # stride 8, 512 channels
     model = VisionTransformer(vitkit.ViTConfig(image_size=32, patch_size=1, hybrid=stem, hidden_size=32, num_heads=2))
     filters = vi.embedding_filters(model, k=5)
     assert not filters.image_like

@@ -17,7 +17,7 @@ from vitkit.data import get_dataset
 from vitkit.model import resample_grid
 from vitkit.recipes import TrainConfig
 from vitkit.runs import read_checkpoint, read_metrics
-from vitkit.train import build_model, train
+from vitkit.training import initial_model, train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
@@ -105,9 +105,9 @@ def test_two_gloo_processes_under_torchrun_match_one_process(tmp_path):
 
 def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_path):
     base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)
-    vitkit.save(base, tmp_path / "base.safetensors")
+    vitkit.export(base, tmp_path / "base.safetensors")
     dataset = get_dataset("shapes", "train", size=8, image_size=32)
-    model = build_model(
+    model = initial_model(
         TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), image_size=32, model_args={}), dataset
     )
     old = base.posemb.weight.detach()  # (1, 1 + 2*2, D)
@@ -119,13 +119,13 @@ def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_p
     assert torch.equal(model.blocks[1].mlp.fc1.weight, base.blocks[1].mlp.fc1.weight)
     # A linear probe at the new resolution changes the head only.
     base_path = str(tmp_path / "base.safetensors")
-    config = shapes_config(tmp_path / "probe", checkpoint=base_path, image_size=32, train="head", model_args={},
+    config = shapes_config(tmp_path / "probe", checkpoint=base_path, image_size=32, trainable="head", model_args={},
                            optimizer="sgd", lr=0.1, weight_decay=0.0, steps=3)  # fmt: skip
     train(config)
-    tuned = vitkit.load(tmp_path / "probe" / "model.safetensors")
+    tuned = vitkit.load_checkpoint(tmp_path / "probe" / "model.safetensors")
     assert tuned.head.weight.any() and torch.equal(tuned.blocks[0].attn.qkv.weight, base.blocks[0].attn.qkv.weight)
     with pytest.raises(ValueError, match="would change the architecture"):
-        build_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
+        initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_a_short_run_on_real_digits_beats_chance_by_far_and_writes_the_run_direc
     assert [r["step"] for r in records if r["split"] == "test"] == [80, 160]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["test_top1"] == mnist_run.final.top1 and len(summary["per_class"]) == 10
-    assert vitkit.load(run / "model.safetensors").class_names == [str(d) for d in range(10)]
+    assert vitkit.load_checkpoint(run / "model.safetensors").class_names == [str(d) for d in range(10)]
 
 
 def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsys):

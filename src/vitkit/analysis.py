@@ -229,6 +229,8 @@ def attention_rollout(model: VisionTransformer, image: torch.Tensor) -> Rollout:
         a = 0.5 * a + 0.5 * torch.eye(a.shape[0], dtype=a.dtype)
         a = a / a.sum(dim=-1, keepdim=True)
         joint = a if joint is None else a @ joint
+    if joint is None:
+        raise ValueError("the model has no encoder layers, so there is no attention to roll out.")
     row, query = _query_row(model, joint)
     grid = row.reshape(model.config.grid_size).float()
     upsampled = F.interpolate(grid[None, None], size=model.config.image_size, mode="bilinear", align_corners=False)
@@ -261,9 +263,10 @@ def occlusion_sensitivity(
     if image.shape[0] != 1:
         raise ValueError(f"expected one image, got a batch of {image.shape[0]}: call once per image.")
     if patch is None:
-        if not hasattr(model, "config"):
+        config = getattr(model, "config", None)
+        if config is None:
             raise ValueError("the model has no config to take a patch size from: pass patch=<pixels>.")
-        patch = model.config.patch_stride[0]
+        patch = int(config.patch_stride[0])
     stride = stride or max(patch // 2, 1)
     h, w = image.shape[-2:]
     if not 0 < patch <= min(h, w) or stride < 1:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from .augment import eval_batch
-from .data import ImageArrayDataset, read_image
+from .data import ImageArrayDataset, LabelledDataset, read_image
 from .distributed import World, all_reduce_sum
 from .model import VisionTransformer
 
@@ -52,7 +52,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def batches(dataset: Dataset, index_batches: list[list[int]], workers: int = 0):
+def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: int = 0):
     """Yield (uint8 images, labels) for each list of indices. In-memory splits are sliced directly; others are
     decoded by a DataLoader (with `workers` processes), images of different sizes then come as a list."""
     if isinstance(dataset, ImageArrayDataset):
@@ -61,8 +61,12 @@ def batches(dataset: Dataset, index_batches: list[list[int]], workers: int = 0):
             yield dataset.images[index], dataset.labels[index]
         return
     # Its own generator: creating the loader then draws no number from the global RNG (exact resumption).
-    loader = DataLoader(
-        dataset, batch_sampler=index_batches, num_workers=workers, collate_fn=_collate, generator=torch.Generator()
+    loader: DataLoader = DataLoader(
+        dataset,  # type: ignore[arg-type]  # a map-style dataset; torch types it as its own Dataset class
+        batch_sampler=index_batches,
+        num_workers=workers,
+        collate_fn=_collate,
+        generator=torch.Generator(),
     )
     yield from loader
 
@@ -77,7 +81,7 @@ def _collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor | li
 @torch.no_grad()
 def evaluate(
     model: VisionTransformer,
-    dataset: Dataset,
+    dataset: LabelledDataset,
     *,
     batch_size: int = 1000,
     precision: str = "fp32",

@@ -1,0 +1,503 @@
+"""Training and fine-tuning: `train(TrainConfig(...))` runs one recipe of `vitkit.recipes` end to end.
+
+One step = one optimiser update on a global batch of `batch_size` images, split evenly over the torchrun
+processes and then over `accumulation_steps` micro-batches. The data order of an epoch is the
+`DistributedSampler` permutation (seed + epoch); the augmentation of step s comes from a generator seeded by
+(seed, s). Both are functions of the step, so a run resumed from its checkpoint continues exactly, and a
+2-process run sees the same global batches, augmented the same way, as a 1-process run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+from tqdm import tqdm
+
+from .augment import AugmentConfig, random_draws, train_batch
+from .checkpoints import export, load_checkpoint
+from .config import ViTConfig, decode_variant
+from .data import ImageArrayDataset, dataset_augmentation, get_dataset
+from .distributed import World, all_gather_tensors, any_process, barrier, close_world, init_world
+from .efficiency import count_params
+from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
+from .model import VisionTransformer
+from .recipes import TrainConfig, build_optimizer, learning_rate, set_trainable
+from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
+
+CHECKPOINT_FORMAT = "vitkit-train/1"
+ARCHITECTURE_FIELDS = {"hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb",
+                       "in_chans", "hybrid", "representation_size", "qkv_bias", "layer_scale_init"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a run ended: `step` of `total_steps` done (fewer when interrupted), the last evaluation."""
+
+    run_dir: Path
+    step: int
+    total_steps: int
+    interrupted: bool
+    final: EvalResult | None
+    best_top1: float
+    seconds: float  # in training steps, over all sessions of the run
+    wall_seconds: float  # this session, data loading and evaluation included
+
+
+def load_datasets(config: TrainConfig):
+    """The train and test splits named by the config."""
+    kwargs = dict(config.data_args)
+    if config.data_dir is not None:
+        kwargs["data_dir"] = config.data_dir
+    return get_dataset(config.data, "train", **kwargs), get_dataset(config.data, "test", **kwargs)
+
+
+def initial_model(config: TrainConfig, dataset) -> VisionTransformer:
+    """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
+    the new resolution, a new zero-initialised head)."""
+    num_classes = len(dataset.classes)
+    if config.checkpoint is not None:
+        structural = sorted(set(config.model_args) & ARCHITECTURE_FIELDS)
+        if structural:
+            raise ValueError(
+                f"model_args {structural} would change the architecture of checkpoint {config.checkpoint}: with a "
+                "checkpoint give only overrides without weights (e.g. drop_path_rate); `vitkit finetune` clears them."
+            )
+        model = load_checkpoint(config.checkpoint, image_size=config.image_size, **config.model_args)
+        model.reset_head(num_classes)
+    else:
+        # The dataset's own resolution when it has one (in-memory splits, shapes); 224 for image folders.
+        native = tuple(dataset.images.shape[-2:]) if isinstance(dataset, ImageArrayDataset) else None
+        size = config.image_size or native or getattr(dataset, "image_size", 224)
+        model = VisionTransformer(
+            decode_variant(config.model, image_size=size, num_classes=num_classes, **config.model_args)
+        )
+    model.class_names = list(dataset.classes)
+    return model
+
+
+def augment_config(config: TrainConfig, dataset) -> AugmentConfig:
+    """The dataset's own training augmentation, with the config's explicit choices on top."""
+    crop_scale, flip = dataset_augmentation(dataset)
+    return AugmentConfig(
+        crop_scale=config.crop_scale or crop_scale,
+        flip=flip if config.flip is None else config.flip,
+        randaugment=config.randaugment,
+        mixup=config.mixup,
+    )
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A well-mixed 63-bit seed for the augmentation of one step."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM ask the run to stop after the current step (a second Ctrl-C stops at once)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(
+    config: TrainConfig | None = None, *, resume: str | Path | None = None, stop_after: int | None = None
+) -> TrainResult:
+    """Run `config` (default: the main job), or continue the run saved in the directory `resume` with its own
+    config; returns how it ended. `stop_after` stops after that many steps in all, as an interruption would:
+    a checkpoint is saved."""
+    if config is not None and resume is not None:
+        raise ValueError(f"give a config or resume={str(resume)!r}, not both: a resumed run keeps its saved config.")
+    config = config or TrainConfig()
+    saved = None
+    if resume is not None:
+        saved = read_checkpoint(resume)
+        config = TrainConfig.from_dict(json.loads(saved["config"]))
+        run_path = Path(resume)
+    else:
+        run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
+    world = init_world(config.device)
+    threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        return _train_session(config, world, run_path, saved, stop_after)
+    finally:
+        torch.set_num_threads(threads)
+        close_world(world)
+
+
+def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dict | None, stop_after: int | None):
+    """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
+    checkpoints at their intervals, then finish."""
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    train_set, test_set = load_datasets(config)
+    model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
+    learning = set_trainable(model, config.trainable)
+    model.to(world.device)
+    optimizer = build_optimizer(model, config)
+    torch.manual_seed(config.seed * 1000 + world.rank + 1)  # dropout / stochastic depth differ between ranks
+    plan = plan_steps(config, len(train_set), world)
+    run = RunDir(run_path, enabled=world.is_main)
+    state = TrainState(config, world, plan, augment_config(config, train_set), model, model, optimizer, run)
+    if saved is not None:
+        restore(state, saved)
+    else:
+        run.write_json("config.json", run_description(state, learning))
+    state.net = data_parallel(model, world)  # after restoring: every process starts from the same weights
+
+    final: EvalResult | None = None
+    bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
+               dynamic_ncols=True)  # fmt: skip
+    model.train()
+    with StopRequest() as stop:
+        micro_batches = None
+        while state.step < plan.total:
+            if micro_batches is None or state.step % plan.steps_per_epoch == 0:  # started, resumed or a new epoch
+                micro_batches = epoch_micro_batches(train_set, state)
+            lr = train_step(state, micro_batches)
+            bar.update(1)
+            if state.step % config.log_every == 0 or state.step == plan.total:
+                record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, config.batch_size)
+                run.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}",
+                                img_s=f"{record['images_per_s']:.0f}")  # fmt: skip
+            if state.step % plan.eval_interval == 0 or state.step == plan.total:
+                final = run_evaluation(state, test_set)
+                if world.is_main:
+                    bar.write(f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
+                              f"top-5 {100 * final.top5:.2f}%")  # fmt: skip
+                save_checkpoint(state)
+            if any_process(stop.requested or (stop_after is not None and state.step >= stop_after), world):
+                break
+        interrupted = state.step < plan.total
+        if interrupted:
+            save_checkpoint(state)
+    bar.close()
+    if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
+        final = run_evaluation(state, test_set)
+    return finish(state, final, interrupted, started)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How long the run is, and how one step's global batch is split over processes and micro-batches."""
+
+    total: int  # optimiser steps of the whole run
+    steps_per_epoch: int
+    warmup: int  # steps of linear learning-rate warmup
+    eval_interval: int  # steps between evaluations (and checkpoints)
+    per_rank: int  # images per process per step
+    micro: int  # images per micro-batch
+
+
+def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
+    """The step plan for `num_images` training images, or a ValueError when the batch cannot be split evenly."""
+    if config.batch_size % (world.size * config.accumulation_steps):
+        raise ValueError(
+            f"batch_size={config.batch_size} is not divisible by {world.size} processes x "
+            f"{config.accumulation_steps} accumulation steps: choose a multiple of "
+            f"{world.size * config.accumulation_steps}."
+        )
+    steps_per_epoch = num_images // config.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch_size={config.batch_size} exceeds the {num_images} training images: lower it.")
+    total = config.steps or math.ceil(config.epochs * steps_per_epoch)
+    eval_interval = max(round(config.eval_every * steps_per_epoch), 1) if config.eval_every > 0 else total
+    per_rank = config.batch_size // world.size
+    return StepPlan(
+        total=total,
+        steps_per_epoch=steps_per_epoch,
+        warmup=round(config.warmup_fraction * total),
+        eval_interval=eval_interval,
+        per_rank=per_rank,
+        micro=per_rank // config.accumulation_steps,
+    )
+
+
+@dataclass
+class MetricsWindow:
+    """Training loss and accuracy summed since the last metrics record, and the seconds spent in those steps."""
+
+    loss: float = 0.0  # summed over images
+    top1: int = 0
+    top5: int = 0
+    count: int = 0  # images
+    steps: int = 0
+    seconds: float = 0.0
+
+    @torch.no_grad()
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """One micro-batch: its mean loss and its logits (B, K) against the true labels (B,)."""
+        self.loss += float(loss) * len(labels)
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        self.top1 += int((top5[:, 0] == labels).sum())
+        self.top5 += int((top5 == labels[:, None]).any(1).sum())
+        self.count += len(labels)
+
+    def add_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+
+    def flush(self, step: int, epoch: float, lr: float, batch_size: int) -> dict:
+        """The metrics.jsonl record of the window (on this process's images); the window starts again empty."""
+        n = max(self.count, 1)
+        record = {
+            "split": "train",
+            "step": step,
+            "epoch": epoch,
+            "lr": lr,
+            "loss": self.loss / n,
+            "top1": self.top1 / n,
+            "top5": self.top5 / n,
+            "images_per_s": self.steps * batch_size / max(self.seconds, 1e-9),
+        }
+        self.loss, self.top1, self.top5, self.count, self.steps, self.seconds = 0.0, 0, 0, 0, 0, 0.0
+        return record
+
+
+@dataclass
+class TrainState:
+    """What the steps of a run share: the fixed set-up, then what changes from step to step. `checkpoint_state`
+    saves the changing part with the RNG states, `restore` puts it back."""
+
+    config: TrainConfig
+    world: World
+    plan: StepPlan
+    augment: AugmentConfig
+    model: VisionTransformer
+    net: torch.nn.Module  # the model, or its DistributedDataParallel wrapper when there are several processes
+    optimizer: torch.optim.Optimizer
+    run: RunDir
+    step: int = 0  # optimiser updates done
+    best_top1: float = -1.0
+    elapsed: float = 0.0  # seconds in training steps, over all sessions of the run
+    window: MetricsWindow = field(default_factory=MetricsWindow)
+
+
+def saved_model(saved: dict, dataset) -> VisionTransformer:
+    """The architecture of a saved run, named with the dataset's classes; `restore` loads its weights."""
+    model = VisionTransformer(ViTConfig.from_dict(json.loads(saved["model_config"])))
+    model.class_names = list(dataset.classes)
+    return model
+
+
+def data_parallel(model: VisionTransformer, world: World) -> torch.nn.Module:
+    """The model wrapped by DistributedDataParallel (gradients all-reduced in backward) when there are several
+    processes; the model itself otherwise."""
+    if world.size == 1:
+        return model
+    return DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+
+
+def run_description(state: TrainState, learning: list[str]) -> dict:
+    """config.json of a new run: the resolved configs, the classes and how the steps are planned."""
+    return {
+        "train": state.config.to_dict(),
+        "model": state.model.config.to_dict(),
+        "classes": state.model.class_names,
+        "augment": state.augment.__dict__,
+        "world_size": state.world.size,
+        "total_steps": state.plan.total,
+        "steps_per_epoch": state.plan.steps_per_epoch,
+        "learning_parameters": learning,
+    }
+
+
+def restore(state: TrainState, saved: dict) -> None:
+    """Continue from a checkpoint: weights, optimiser, step, best top-1, training seconds, and each process's RNG
+    (when the number of processes is unchanged); metrics logged after the checkpoint are dropped."""
+    state.model.load_state_dict(saved["model"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.step, state.best_top1, state.elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
+    world = state.world
+    if len(saved["rng"]) == world.size:
+        torch.set_rng_state(saved["rng"][world.rank])
+        if world.device.type == "cuda" and saved.get("cuda_rng"):
+            torch.cuda.set_rng_state(saved["cuda_rng"][world.rank], world.device)
+    if world.is_main:
+        truncate_metrics(state.run.path, state.step)
+
+
+def epoch_micro_batches(dataset, state: TrainState) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(images, labels) of this process's micro-batches for the rest of the current epoch: the epoch's
+    `DistributedSampler` permutation (seed + epoch) cut into global batches, this process's share of each,
+    cut into `accumulation_steps` micro-batches."""
+    config, plan, world = state.config, state.plan, state.world
+    epoch, start = divmod(state.step, plan.steps_per_epoch)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=config.seed, drop_last=True
+    )
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    shares = [order[i * plan.per_rank : (i + 1) * plan.per_rank] for i in range(start, plan.steps_per_epoch)]
+    micro = plan.micro
+    micro_batches = [s[m * micro : (m + 1) * micro] for s in shares for m in range(config.accumulation_steps)]
+    return batches(dataset, micro_batches, config.workers)
+
+
+def train_step(state: TrainState, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """One optimiser update on one global batch: the next `accumulation_steps` micro-batches, augmented with the
+    step's own draws, their gradients averaged (across processes at the last one only), clipped and applied.
+    The window collects the loss and accuracy; returns the step's learning rate."""
+    config, world, model, micro = state.config, state.world, state.model, state.plan.micro
+    tick = time.perf_counter()
+    state.step += 1
+    generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
+    draws = random_draws(config.batch_size, generator)[world.rank :: world.size]  # this process's samples
+    lr = learning_rate(state.step, state.plan.total, config.lr, state.plan.warmup, config.schedule)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    for m in range(config.accumulation_steps):
+        images, labels = next(micro_batches)
+        x, targets = train_batch(
+            images, labels, draws[m * micro : (m + 1) * micro], model.config.image_size, state.augment,
+            model.config.num_classes, model.config.in_chans,
+        )  # fmt: skip
+        x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
+        # DistributedDataParallel all-reduces the gradients on the last micro-batch of the step only.
+        no_sync = getattr(state.net, "no_sync", contextlib.nullcontext)
+        with contextlib.nullcontext() if m == config.accumulation_steps - 1 else no_sync():
+            with autocast(world.device, config.precision):
+                logits = state.net(x)
+            loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
+            (loss / config.accumulation_steps).backward()
+        state.window.add(loss, logits, labels)
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.grad_clip)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    spent = time.perf_counter() - tick
+    state.elapsed += spent
+    state.window.add_step(spent)
+    return lr
+
+
+def run_evaluation(state: TrainState, test_set) -> EvalResult:
+    """Evaluate on the test split, log it, and keep the model as best.safetensors when its top-1 is the best."""
+    config = state.config
+    result = evaluate(
+        state.model, test_set, batch_size=config.eval_batch_size, precision=config.precision, world=state.world,
+        workers=config.workers,
+    )  # fmt: skip
+    state.run.log({"split": "test", "step": state.step, "epoch": state.step / state.plan.steps_per_epoch,
+                   "loss": result.loss, "top1": result.top1, "top5": result.top5})  # fmt: skip
+    if result.top1 > state.best_top1:
+        state.best_top1 = result.top1
+        if state.world.is_main:
+            export(state.model, state.run.path / "best.safetensors")
+    return result
+
+
+def checkpoint_state(state: TrainState) -> dict:
+    """Everything `restore` needs, every process's RNG state included (a collective call: all processes)."""
+    world, plan = state.world, state.plan
+    rng = all_gather_tensors(torch.get_rng_state(), world)
+    cuda_rng = all_gather_tensors(torch.cuda.get_rng_state(world.device), world) if world.device.type == "cuda" else []
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "config": json.dumps(state.config.to_dict()),
+        "model_config": json.dumps(state.model.config.to_dict()),
+        "model": state.model.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "step": state.step,
+        "epoch": state.step // plan.steps_per_epoch,
+        "batch_in_epoch": state.step % plan.steps_per_epoch,
+        "sampler_seed": state.config.seed,
+        "total_steps": plan.total,
+        "best_top1": state.best_top1,
+        "elapsed": state.elapsed,
+        "rng": [t.cpu() for t in rng],
+        "cuda_rng": [t.cpu() for t in cuda_rng],
+    }
+
+
+def save_checkpoint(state: TrainState) -> None:
+    """checkpoint.pt in the run directory, written atomically by the main process."""
+    state.run.save_checkpoint(checkpoint_state(state))
+
+
+def finish(state: TrainState, final: EvalResult | None, interrupted: bool, started: float) -> TrainResult:
+    """A finished run keeps model.safetensors and its plots; every run writes summary.json and prints it.
+    `started`: `time.perf_counter()` when the session began (for the wall time)."""
+    if not interrupted and state.world.is_main:
+        export(state.model, state.run.path / "model.safetensors")
+        plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
+    result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
+                         state.elapsed, time.perf_counter() - started)  # fmt: skip
+    if state.world.is_main:
+        state.run.write_json("summary.json", summary_dict(result, state.config, state.model))
+        print(format_summary(result, state.config, state.model), flush=True)
+    barrier(state.world)
+    state.run.close()
+    return result
+
+
+def summary_dict(result: TrainResult, config: TrainConfig, model: VisionTransformer) -> dict:
+    return {
+        "run_dir": str(result.run_dir),
+        "data": config.data,
+        "step": result.step,
+        "total_steps": result.total_steps,
+        "interrupted": result.interrupted,
+        "train_seconds": result.seconds,
+        "wall_seconds": result.wall_seconds,
+        "test_top1": result.final.top1 if result.final else None,
+        "test_top5": result.final.top5 if result.final else None,
+        "best_test_top1": result.best_top1,
+        "per_class": dict(zip(model.class_names or [], result.final.per_class)) if result.final else None,
+        "parameters": count_params(model.config),
+    }
+
+
+def format_summary(result: TrainResult, config: TrainConfig, model: VisionTransformer) -> str:
+    """The one-screen summary printed at the end of a run."""
+    c = model.config
+    lines = [
+        "=" * 72,
+        f"run        {result.run_dir}",
+        f"data       {config.data}   model {config.checkpoint or config.model} {c.image_size[0]}x{c.image_size[1]}, "
+        f"patch {c.patch_size[0]}, D={c.hidden_size}, L={c.num_layers}, {count_params(c):,} params",
+        f"recipe     {config.optimizer} lr {config.lr:g}, wd {config.weight_decay:g}, batch {config.batch_size}, "
+        f"{config.schedule}, warmup {config.warmup_fraction:g}, trainable={config.trainable}, {config.precision}",
+        f"steps      {result.step}/{result.total_steps} in {result.seconds / 60:.1f} min of training, "
+        f"{result.wall_seconds / 60:.1f} min wall (data and evaluation included)",
+    ]
+    if result.interrupted:
+        lines.append(f"stopped    checkpoint saved; continue with: vitkit train --resume {result.run_dir}")
+    if result.final is not None:
+        lines.append(f"test       {format_eval(result.final, model.class_names)}")
+        lines.append(f"best       top-1 {100 * result.best_top1:.2f}%")
+    files = ["config.json", "metrics.jsonl", "checkpoint.pt"]
+    files += [] if result.interrupted else ["model.safetensors", "best.safetensors", "curves.png", "confusion.png"]
+    lines += [f"files      {', '.join(files)}", "=" * 72]
+    return "\n".join(lines)
