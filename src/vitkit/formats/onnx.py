@@ -19,6 +19,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ def detect(path: str | os.PathLike) -> bool:
 class Graph:
     """Initializers, constants, and who produces and consumes each tensor."""
 
-    def __init__(self, model):
+    def __init__(self, model: Any) -> None:
         from onnx import numpy_helper
 
         graph = model.graph
@@ -58,7 +59,9 @@ class Graph:
         self.input = next(i for i in graph.input if i.name not in self.params)
         self.taken: set[str] = set()
 
-    def param(self, name: str) -> torch.Tensor:
+    def param(self, name: str | None) -> torch.Tensor:
+        if name is None:
+            raise ValueError("a node expected to read a weight reads none")
         self.taken.add(self.origin.get(name, name))
         return torch.from_numpy(np.array(self.params[name], dtype=np.float32))
 
@@ -91,7 +94,7 @@ def _attr(node, name: str, default=None):
 @dataclass
 class Linear:
     weight: torch.Tensor  # (out, in), as nn.Linear holds it
-    bias: torch.Tensor | None
+    bias: torch.Tensor  # zeros where the graph adds none
     out: str
 
 
@@ -117,7 +120,7 @@ def _linear(g: Graph, matmul, path) -> Linear:
     weight = g.param(weight_name)
     if matmul.input[0] == weight_name:
         raise _fail(path, f"weight on the left of {matmul.name}")
-    out, bias = matmul.output[0], None
+    out, bias = matmul.output[0], torch.zeros(weight.shape[1])
     adds = [n for n in g.users(out, "Add") if g.param_input(n) and g.params[g.param_input(n)].ndim == 1]
     if len(adds) == 1 and len(g.consumers[out]) == 1:
         bias, out = g.param(g.param_input(adds[0])), adds[0].output[0]
@@ -144,13 +147,13 @@ def _layer_norm(g: Graph, x: str, path) -> tuple[torch.Tensor, torch.Tensor, flo
         raise _fail(path, f"LayerNorm after {x} has no normalising Div")
     sqrt = g.producer[div[0].input[1]]
     add_eps = g.producer[sqrt.input[0]]
-    eps = next(g.constant(i) for i in add_eps.input if g.constant(i) is not None)
+    eps = next(float(c) for c in map(g.constant, add_eps.input) if c is not None)
     mul = g.users(div[0].output[0], "Mul")[0]
     add = g.users(mul.output[0], "Add")[0]
     return g.param(g.param_input(mul)), g.param(g.param_input(add)), float(eps), add.output[0]
 
 
-def _follow(g: Graph, name: str, stop: set[str]) -> tuple[object, int, float]:
+def _follow(g: Graph, name: str, stop: set[str]) -> tuple[Any, int, float]:
     """From tensor `name` through reshapes, transposes and scalings to the first node of a `stop` kind: that node,
     the input slot it is reached at, and the product of the scalar factors on the way."""
     scale = 1.0
@@ -181,11 +184,15 @@ def _heads(g: Graph, name: str, hidden: int) -> int | None:
             shape_node = g.producer.get(reshape[0].input[1])
             if shape_node is not None and shape_node.op_type == "Concat":
                 parts = [g.constant(i) for i in shape_node.input[-2:]]
-                dims = [int(np.ravel(p)[0]) if p is not None else None for p in parts]
+                if any(part is None for part in parts):
+                    return None
+                dims = [int(np.ravel(part)[0]) for part in parts if part is not None]
             else:
                 shape = g.constant(reshape[0].input[1])
-                dims = [int(d) for d in shape[-2:]] if shape is not None else [None, None]
-            if None in dims or dims.count(-1) > 1:
+                if shape is None:
+                    return None
+                dims = [int(d) for d in shape[-2:]]
+            if dims.count(-1) > 1:
                 return None
             heads, width = dims
             heads = hidden // width if heads == -1 else heads  # (..., -1, head_dim) as Hugging Face writes it
@@ -243,8 +250,7 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
         raise _fail(path, f"block {i}: attention scores scaled by {scale:.6g}, not 1/sqrt(head_dim)")
     q, k, v = (role[r][0] for r in "qkv")
     t[f"{ours}.attn.qkv.weight"] = torch.cat([q.weight, k.weight, v.weight])
-    biases = [r.bias if r.bias is not None else torch.zeros(hidden) for r in (q, k, v)]
-    t[f"{ours}.attn.qkv.bias"] = torch.cat(biases)
+    t[f"{ours}.attn.qkv.bias"] = torch.cat([q.bias, k.bias, v.bias])
     softmax, _, _ = _follow(g, scores.output[0], {"Softmax"})
     mix, _, _ = _follow(g, softmax.output[0], {"MatMul"})
     proj_node, _, _ = _follow(g, mix.output[0], {"MatMul"})
@@ -266,7 +272,7 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
     gamma2, branch = _layer_scale(g, fc2.out)
     if (gamma1 is None) != (gamma2 is None):
         raise _fail(path, f"block {i}: LayerScale on one residual branch only")
-    if gamma1 is not None:
+    if gamma1 is not None and gamma2 is not None:
         p.layer_scale = True
         t[f"{ours}.ls1.gamma"], t[f"{ours}.ls2.gamma"] = gamma1, gamma2
     return _residual_add(g, branch, x, path)
@@ -274,7 +280,8 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
 
 def _follow_any(g: Graph, name: str, p: Parsed, i: int, path):
     """Through the activation (any ops) to the next MatMul with a weight; the ops seen decide the GELU kind."""
-    seen, frontier = set(), [name]
+    seen: set[str] = set()
+    frontier = [name]
     for _ in range(32):
         nodes = [n for f in frontier for n in g.consumers[f]]
         for n in nodes:
@@ -430,9 +437,9 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
         table = interpolated_posemb(table, 1, config.grid_size, mode, p.resize["antialias"])
     elif side * side == table.shape[1] - 1 and (side, side) != config.grid_size:
         config, wanted = config.replace(image_size=(side * p.patch[0], side * p.patch[1])), config.image_size
-        model = model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
-        model.set_image_size(wanted)
-        return model
+        vit = model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
+        vit.set_image_size(wanted)
+        return vit
     p.tensors["posemb.weight"] = table
     return model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
 
