@@ -184,9 +184,11 @@ def test_create_model_with_pretrained_tag_uses_the_registry(cache, tiny_npz, mon
     torch.testing.assert_close(adapted.blocks[1].mlp.fc2.weight, model.blocks[1].mlp.fc2.weight)
 
 
-def test_unknown_name_suggests_the_closest():
+def test_unknown_name_suggests_the_closest_and_missing_files_stay_files():
     with pytest.raises(ValueError, match="Did you mean 'ViT-B/16:imagenet21k'"):
         pretrained.lookup("ViT-B/16:imagenet21")
+    with pytest.raises(FileNotFoundError, match="runs/model.safetensors: no such checkpoint"):
+        vitkit.load_checkpoint("runs/model.safetensors")
 
 
 def test_table_lists_the_paper_augreg_hub_and_offline_names(capsys):

@@ -140,6 +140,7 @@ REGISTRY: dict[str, Pretrained] = {
     ]
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FILE_SUFFIXES = (".npz", ".safetensors", ".pth", ".pt", ".bin", ".onnx", ".json")
 _TIMM_SIZES = {"tiny": "Ti", "small": "S", "base": "B", "large": "L", "huge": "H"}
 
 
@@ -153,8 +154,11 @@ def list_pretrained() -> list[Pretrained]:
 
 
 def is_pretrained_name(name: str) -> bool:
-    """A registered name, a `variant:tag` (perhaps misspelt: the lookup says so), or a Hub id."""
-    return name.lower() in REGISTRY or ":" in name or bool(_HUB_ID.match(name))
+    """A registered name, a `variant:tag` (perhaps misspelt: the lookup says so), or a Hub id (`org/name`, not
+    a missing `dir/file.npz`)."""
+    if name.lower() in REGISTRY or ":" in name:
+        return True
+    return bool(_HUB_ID.match(name)) and Path(name).suffix.lower() not in _FILE_SUFFIXES
 
 
 def lookup(name: str) -> Pretrained:
