@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 FASHION := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test lint
+.PHONY: setup data demo test test-fast lint
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: setup data
 
 test: setup
 	$(PY) -m pytest
+
+# Everything but the tests marked slow (training runs, the trained-model reports, big variants, fuzzing, the
+# SIGKILL loop, the soak run): under a minute of CPU.
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

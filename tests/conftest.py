@@ -1,13 +1,41 @@
+"""Fixtures and small helpers shared by the tests. Test files import the plain helpers with
+`from conftest import tiny, ...` (pytest puts tests/ on sys.path)."""
+
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+import vitkit
+
 # Two cores: keep torch from oversubscribing them, and make every test deterministic.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "official_jax"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_jax"
+
+# The small ViT most tests use: 32 px images cut into a 4x4 grid of 8 px patches, width 32, 2 layers, 4 heads,
+# 5 classes, the paper's defaults otherwise. Instant to build and to run on one core.
+TINY = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=5)
+
+
+def tiny_config(**changes) -> vitkit.ViTConfig:
+    """TINY with `changes` applied."""
+    return vitkit.ViTConfig(**TINY | changes)
+
+
+def tiny(**changes) -> vitkit.VisionTransformer:
+    """A freshly initialised tiny_config(**changes) model in eval mode (call .train() to train it)."""
+    return vitkit.VisionTransformer(tiny_config(**changes)).eval()
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output
+    (zero-initialised heads and biases, unit LayerNorm scales would hide it). Returns the model in eval mode."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +45,6 @@ def _seed():
 
 @pytest.fixture
 def fixtures_dir() -> Path:
-    """The official JAX reference outputs in ../shared/fixtures (see its README)."""
-    if not FIXTURES.is_dir():
-        pytest.fail(f"official fixtures not found at {FIXTURES}: the shared/ folder must sit beside the checkout")
+    """The official JAX reference outputs committed in tests/fixtures/official_jax (see its README)."""
+    assert FIXTURES.is_dir(), f"official fixtures missing at {FIXTURES}: they are part of the repository"
     return FIXTURES

@@ -8,15 +8,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import vitkit
+from conftest import tiny
 from shapes_vit import held_out_shapes, trained_shapes_vit
 from vitkit import analysis as vi
 from vitkit.model import VisionTransformer
-
-
-def tiny(**kwargs) -> VisionTransformer:
-    spec = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=5)
-    spec.update(kwargs)
-    return VisionTransformer(vitkit.ViTConfig(**spec)).eval()
 
 
 def fixed_attention(model: VisionTransformer, self_logit: float) -> VisionTransformer:
@@ -190,6 +185,7 @@ def shapes_maps():
     return vi.localisation(rollout, samples.boxes), vi.localisation(occlusion, samples.boxes)
 
 
+@pytest.mark.slow
 def test_trained_vit_rollout_peaks_inside_the_object_box_far_above_chance(shapes_maps):
     rollout, _ = shapes_maps
     # Measured: peak inside the box for 0.82 of 40 test images, positive mass 0.33; chance (box area) 0.16.
@@ -198,6 +194,7 @@ def test_trained_vit_rollout_peaks_inside_the_object_box_far_above_chance(shapes
     assert rollout.mass_inside > 1.5 * rollout.chance
 
 
+@pytest.mark.slow
 def test_trained_vit_occlusion_peaks_inside_the_object_box_above_chance(shapes_maps):
     _, occlusion = shapes_maps
     # Measured: peak inside the box for 0.85 of 40 test images, positive mass 0.60; chance (box area) 0.16.

@@ -3,6 +3,7 @@ import pytest
 import vitkit
 from vitkit.config import ResNetConfig, ViTConfig, decode_variant
 
+# Typed in, as timm reports them; test_efficiency.py also counts timm's and Hugging Face's models on the spot.
 EXPECTED_PARAMS = {
     "ViT-Ti/16": 5_717_416,
     "ViT-S/16": 22_050_664,
@@ -69,5 +70,9 @@ def test_config_dict_round_trip_keeps_hybrid():
 def test_list_models_covers_table_1_and_hybrid():
     names = vitkit.list_models()
     assert {"ViT-Ti/16", "ViT-S/32", "ViT-B/8", "ViT-L/16", "ViT-H/14", "R50+ViT-B/16"} <= set(names)
-    for name in names:
-        decode_variant(name)
+    widths = {"Ti": 192, "S": 384, "B": 768, "L": 1024, "H": 1280}
+    for name in names:  # each name decodes to the width and patch it spells
+        config = decode_variant(name)
+        size, patch = name.split("ViT-")[1].split("/")
+        assert config.hidden_size == widths[size] and config.patch_stride == (int(patch),) * 2, name
+        assert (config.hybrid is not None) == ("+" in name), name

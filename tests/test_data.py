@@ -215,3 +215,11 @@ def test_image_folder_without_split_dirs_holds_out_a_deterministic_fraction(tmp_
     assert not {p for p, _ in train.samples} & {p for p, _ in test.samples}
     again = get_dataset("imagefolder", "test", data_dir=tmp_path, val_fraction=0.4)
     assert again.samples == test.samples
+
+
+def test_image_folder_holds_out_at_least_one_image_per_class_when_the_fraction_rounds_to_zero(tmp_path):
+    make_image_folder(tmp_path, split_dirs=False)  # 5 images per class: 10% of 5 rounds to 0
+    train = get_dataset("imagefolder", "train", data_dir=tmp_path)
+    test = get_dataset("imagefolder", "test", data_dir=tmp_path)
+    assert len(test) == 2 and sorted(label for _, label in test.samples) == [0, 1]
+    assert len(train) == 8 and not {p for p, _ in train.samples} & {p for p, _ in test.samples}

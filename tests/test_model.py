@@ -6,17 +6,15 @@ import torch
 from scipy.ndimage import zoom
 
 import vitkit
+from conftest import tiny
 from vitkit.config import POSEMBS, decode_variant
 from vitkit.model import RelativePosemb, VisionTransformer
 
-
-def tiny(**kwargs) -> VisionTransformer:
-    spec = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=5)
-    spec.update(kwargs)
-    return VisionTransformer(vitkit.ViTConfig(**spec))
+# Even on the meta device a ResNet stem or a ViT-H takes seconds.
+VARIANTS = [pytest.param(n, marks=pytest.mark.slow) if "+" in n or "-H/" in n else n for n in vitkit.list_models()]
 
 
-@pytest.mark.parametrize("name", vitkit.list_models())
+@pytest.mark.parametrize("name", VARIANTS)
 def test_every_variant_builds_and_runs_forward_shapes(name):
     config = decode_variant(name, num_classes=10)
     small = config.replace(image_size=config.patch_stride[0] * 2)
@@ -29,6 +27,7 @@ def test_every_variant_builds_and_runs_forward_shapes(name):
 
 
 @pytest.mark.parametrize("name", ["ViT-Ti/16", "ViT-S/32", "ViT-B/16", "R50+ViT-B/16"])
+@pytest.mark.slow
 def test_real_variants_give_finite_logits(name):
     model = vitkit.create_model(name, image_size=32 if "R50" not in name else 64, num_classes=10).eval()
     with torch.no_grad():
@@ -39,7 +38,7 @@ def test_real_variants_give_finite_logits(name):
 @pytest.mark.parametrize("classifier", ["token", "gap"])
 @pytest.mark.parametrize("posemb", POSEMBS)
 def test_every_classifier_and_posemb_trains_one_step(classifier, posemb):
-    model = tiny(classifier=classifier, posemb=posemb, init="trunc_normal")
+    model = tiny(classifier=classifier, posemb=posemb, init="trunc_normal").train()
     x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -123,14 +122,18 @@ def test_jax_init_follows_official_scheme():
 
 
 def test_gradient_checkpointing_gives_same_gradients():
-    model = tiny(init="trunc_normal")
+    model = tiny(init="trunc_normal").train()
     x = torch.randn(2, 3, 32, 32)
-    grads = []
+    grads, block_calls, calls = [], [], []
+    model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
     for enabled in (False, True):
         model.zero_grad()
         model.set_grad_checkpointing(enabled)
+        calls.clear()
         model(x).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
+        block_calls.append(len(calls))
+    assert block_calls == [1, 2]  # with checkpointing, the backward pass runs the block again
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -157,6 +160,7 @@ def test_saved_files_get_the_usual_permissions_not_private_ones(tmp_path):
     assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_hybrid_save_load_round_trip(tmp_path):
     model = vitkit.create_model("R50+ViT-B/16", image_size=32, num_layers=1, num_classes=3).eval()
     vitkit.export(model, tmp_path / "h.safetensors")

@@ -15,7 +15,9 @@ import vitkit
 from vitkit import pretrained
 from vitkit.cli import main
 
-TINY = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, num_classes=5)
+TINY = dict(
+    image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, num_classes=5, act="gelu_tanh"
+)  # the official files' GELU, which .npz files imply
 
 
 class Server:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from vitkit import VisionTransformer, ViTConfig
+from conftest import tiny
 from vitkit.cli import _train_config, build_parser
 from vitkit.recipes import (
     FINETUNE_DEFAULTS,
@@ -13,11 +13,6 @@ from vitkit.recipes import (
     param_groups,
     set_trainable,
 )
-
-
-def tiny(**overrides) -> VisionTransformer:
-    spec = dict(image_size=16, patch_size=8, hidden_size=16, num_layers=2, num_heads=2, mlp_dim=32, num_classes=3)
-    return VisionTransformer(ViTConfig(**{**spec, **overrides}))
 
 
 def test_schedule_is_the_official_linear_warmup_then_cosine_or_linear_decay():

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 import vitkit
+from conftest import tiny
 from shapes_vit import trained_shapes_vit
 from vitkit import analysis as vi
 from vitkit.cli import main
@@ -46,12 +47,7 @@ def embedded_pngs(html: str) -> list[Image.Image]:
     return images
 
 
-def tiny(**kwargs) -> VisionTransformer:
-    spec = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, num_classes=3)
-    spec.update(kwargs)
-    return VisionTransformer(vitkit.ViTConfig(**spec)).eval()
-
-
+@pytest.mark.slow
 def test_inspect_cli_on_a_trained_model_writes_a_self_contained_report(tmp_path, capsys):
     checkpoint = tmp_path / "shapes.safetensors"
     vitkit.export(trained_shapes_vit(), checkpoint)
@@ -71,6 +67,7 @@ def test_inspect_cli_on_a_trained_model_writes_a_self_contained_report(tmp_path,
     assert "not</i> an attribution" in html and "peak inside the box" in html
 
 
+@pytest.mark.slow
 def test_inspect_cli_reads_image_files_of_any_size_and_mode(tmp_path):
     checkpoint = tmp_path / "tiny.safetensors"
     vitkit.export(tiny(), checkpoint)
@@ -99,6 +96,7 @@ def test_inspect_cli_names_a_missing_image_file(tmp_path, capsys):
     assert code == 2 and "nope.png: no such image file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_report_explains_figures_a_model_cannot_have(tmp_path):
     stem = vitkit.ResNetConfig(units=(1, 1))  # stride 8
     spec = dict(image_size=32, patch_size=2, num_classes=2, hidden_size=32, num_heads=2, mlp_dim=32, num_layers=1)
@@ -111,10 +109,12 @@ def test_report_explains_figures_a_model_cannot_have(tmp_path):
 
 
 @pytest.mark.parametrize("classifier", ["token", "gap"])
+@pytest.mark.slow
 def test_report_captions_name_the_query_the_maps_come_from(tmp_path, classifier):
     html = write_report(tiny(classifier=classifier), Samples(torch.zeros(1, 3, 32, 32), ["grey"]), tmp_path).read_text()
     assert (html_escape(vi.GAP_QUERY) in html) == (classifier == "gap")
-    assert "attention carries information from the patches to the class token" in html or classifier == "gap"
+    query = vi.CLS_QUERY if classifier == "token" else vi.GAP_QUERY
+    assert f"attention carries information from the patches to {html_escape(query)}" in html
 
 
 def test_dataset_samples_scale_object_boxes_to_a_non_square_model():

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "vitkit"
 
@@ -79,6 +81,7 @@ def test_readme_structure_lists_every_module_in_dependency_order():
             assert modules[dep] < modules.get(module, len(listed)), f"{module} imports {dep}, listed below it"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: seconds
 def test_import_vitkit_does_not_load_the_training_or_plotting_stack():
     code = (
         "import sys, vitkit; "

@@ -46,6 +46,7 @@ def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
             assert torch.allclose(a[k], b[k], rtol=0, atol=atol), (k, (a[k] - b[k]).abs().max())
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
     # Accumulation, stochastic depth (global RNG) and crops/flips (per-step draws) all have to be restored.
     spec = dict(accumulation_steps=2, model_args={**TINY, "drop_path_rate": 0.2})
@@ -62,6 +63,7 @@ def test_interrupted_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tm
     assert steps == list(range(1, 11))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
     config = shapes_config(tmp_path / "run", steps=20)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -83,6 +85,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
     assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_under_torchrun_match_one_process(tmp_path):
     # SGD: Adam divides by the gradient's running RMS, which turns the rounding noise of the key bias's gradient
     # (exactly zero in exact arithmetic: softmax ignores it) into lr-sized steps, whatever the process count.
@@ -103,6 +106,7 @@ def test_two_gloo_processes_under_torchrun_match_one_process(tmp_path):
     assert read_checkpoint(tmp_path / "two")["rng"].__len__() == 2  # every rank's RNG state is kept
 
 
+@pytest.mark.slow
 def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_path):
     base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)
     vitkit.export(base, tmp_path / "base.safetensors")
@@ -139,6 +143,7 @@ def mnist_run(tmp_path_factory):
     return train(config)
 
 
+@pytest.mark.slow
 def test_a_short_run_on_real_digits_beats_chance_by_far_and_writes_the_run_directory(mnist_run):
     assert mnist_run.final.top1 > 0.6 and mnist_run.final.count == 1000  # chance is 0.10
     run = mnist_run.run_dir
@@ -153,6 +158,7 @@ def test_a_short_run_on_real_digits_beats_chance_by_far_and_writes_the_run_direc
     assert vitkit.load_checkpoint(run / "model.safetensors").class_names == [str(d) for d in range(10)]
 
 
+@pytest.mark.slow
 def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsys):
     from PIL import Image
 
@@ -170,3 +176,22 @@ def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsy
     assert len(lines) == 3 and all(line.count("%") == 2 for line in lines)
     assert main(["eval", "--checkpoint", model_path, "--data", "shapes"]) == 2  # 10 classes vs 6: a clear error
     assert "fine-tune it first" in capsys.readouterr().err
+
+
+def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_every_sessions_wall_time(
+    tmp_path, capsys
+):
+    run = tmp_path / "run"
+    assert train(shapes_config(run), stop_after=4).interrupted
+    first_wall = read_checkpoint(run)["wall_elapsed"]
+    assert first_wall > 0
+    assert main(["train", "--resume", str(run), "--steps", "12", "--lr", "5", "--optimizer", "sgd"]) == 2
+    assert "so lr, optimizer cannot change" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--steps", "12", "--log-every", "3"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == summary["total_steps"] == 12
+    assert summary["wall_seconds"] > first_wall  # both sessions, not only the last
+    steps = [r["step"] for r in read_metrics(run) if r["split"] == "train"]
+    assert steps == [1, 2, 3, 4, 6, 9, 12]  # logged every step, then every third after the resume
+    seen = vitkit.load_checkpoint(run / "model.safetensors").trained_on
+    assert seen == {"data": "shapes", "grayscale": False, "image_size": [16, 16]}  # for predict's notes

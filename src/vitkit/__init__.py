@@ -12,6 +12,7 @@ from typing import Any
 from .checkpoints import export, load_checkpoint, load_pretrained
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
+from .errors import CheckpointError, ImageError
 from .model import VisionTransformer
 from .pretrained import list_pretrained
 from .recipes import TrainConfig
@@ -40,6 +41,8 @@ def create_model(name: str, pretrained: str | None = None, **overrides) -> Visio
 
 
 __all__ = [
+    "CheckpointError",
+    "ImageError",
     "ResNetConfig",
     "TrainConfig",
     "ViTConfig",

@@ -13,6 +13,7 @@ Everything here reads the model's own weights or its named intermediates (`forwa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -242,6 +243,18 @@ def attention_rollout(model: VisionTransformer, image: torch.Tensor) -> Rollout:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def occlusion_windows(image_size: tuple[int, int], patch: int, stride: int) -> list[tuple[int, int]]:
+    """The (top, left) corners of the occluding windows: one forward pass each. They start on a regular grid
+    `stride` apart, plus a last one flush with the far edge so every pixel is covered: about
+    (H / stride) x (W / stride) windows, so doubling the stride quarters the work."""
+    h, w = image_size
+    if not 0 < patch <= min(h, w) or stride < 1:
+        raise ValueError(f"patch={patch}, stride={stride}: need 0 < patch <= {min(h, w)} and stride >= 1.")
+    tops = sorted(set(range(0, h - patch + 1, stride)) | {h - patch})
+    lefts = sorted(set(range(0, w - patch + 1, stride)) | {w - patch})
+    return [(t, left) for t in tops for left in lefts]
+
+
 @torch.no_grad()
 def occlusion_sensitivity(
     model: nn.Module,
@@ -251,13 +264,15 @@ def occlusion_sensitivity(
     stride: int | None = None,
     fill: float | None = None,
     batch_size: int = 64,
+    on_batch: Callable[[int], None] | None = None,
 ) -> Occlusion:
     """Fall of the `target` probability (default: the predicted class) when each region is masked.
 
     A `patch` x `patch` window (default: the model's patch stride in pixels) slides by `stride` (default:
     half the window) and is set to `fill`, by default the image's mean colour (a constant grey would itself be
     a conspicuous object on a coloured image); each pixel gets the mean drop over the windows covering it.
-    Works for any classifier; give `patch` when it has no `config`.
+    Works for any classifier; give `patch` when it has no `config`. One forward pass per window (see
+    `occlusion_windows`), `batch_size` at a time; `on_batch(n)` is called after each batch of `n` windows.
     """
     image = _as_batch(image)
     if image.shape[0] != 1:
@@ -269,8 +284,7 @@ def occlusion_sensitivity(
         patch = int(config.patch_stride[0])
     stride = stride or max(patch // 2, 1)
     h, w = image.shape[-2:]
-    if not 0 < patch <= min(h, w) or stride < 1:
-        raise ValueError(f"patch={patch}, stride={stride}: need 0 < patch <= {min(h, w)} and stride >= 1.")
+    windows = occlusion_windows((h, w), patch, stride)
     colour = image.mean(dim=(-2, -1))[0, :, None, None] if fill is None else fill  # (C, 1, 1) or a scalar
     was_training = model.training
     model.eval()
@@ -278,10 +292,6 @@ def occlusion_sensitivity(
     target = int(probs.argmax()) if target is None else target
     if not 0 <= target < probs.shape[0]:
         raise ValueError(f"target={target} is not a class of this model: use 0..{probs.shape[0] - 1}.")
-    # Windows start on a regular grid, plus a last one flush with the far edge so every pixel is covered.
-    tops = sorted(set(range(0, h - patch + 1, stride)) | {h - patch})
-    lefts = sorted(set(range(0, w - patch + 1, stride)) | {w - patch})
-    windows = [(t, left) for t in tops for left in lefts]
     drops = []
     for start in range(0, len(windows), batch_size):
         chunk = windows[start : start + batch_size]
@@ -289,6 +299,8 @@ def occlusion_sensitivity(
         for i, (t, left) in enumerate(chunk):
             occluded[i, :, t : t + patch, left : left + patch] = colour
         drops.append(probs[target] - model(occluded).softmax(dim=-1)[:, target])
+        if on_batch is not None:
+            on_batch(len(chunk))
     model.train(was_training)
     total, count = torch.zeros(h, w), torch.zeros(h, w)
     for (t, left), drop in zip(windows, torch.cat(drops).float().cpu()):

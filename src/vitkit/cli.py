@@ -3,27 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
+import re
 import sys
+import warnings
+from typing import Any
 
+from . import __version__
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
-from .recipes import FINETUNE_DEFAULTS, TrainConfig, field_types
+from .errors import NonFiniteError, WorkerError
+from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    """Print the paper's Table 1 for every named variant, with parameters and GFLOPs at a resolution."""
+    """Print the paper's Table 1 for every named variant, with parameters and GFLOPs at a resolution; a variant
+    whose patch stride does not divide it is listed with the nearest resolutions that it does."""
     header = f"{'model':<16}{'layers':>7}{'hidden':>8}{'MLP':>7}{'heads':>7}{'params':>14}{'GFLOPs':>9}"
     print(f"Variants at {args.image_size} px, {args.num_classes} classes (GFLOPs: multiply-add = 2)")
     print(header)
     print("-" * len(header))
+    unfit = 0
     for name in cfg.list_models():
-        c = cfg.decode_variant(name, image_size=args.image_size, num_classes=args.num_classes)
-        print(
-            f"{name:<16}{c.num_layers:>7}{c.hidden_size:>8}{c.mlp_dim:>7}{c.num_heads:>7}"
-            f"{count_params(c):>14,}{flops(c) / 1e9:>9.1f}"
-        )
+        c = cfg.decode_variant(name, num_classes=args.num_classes)
+        row = f"{name:<16}{c.num_layers:>7}{c.hidden_size:>8}{c.mlp_dim:>7}{c.num_heads:>7}"
+        stride = c.patch_stride[0]
+        if args.image_size % stride:
+            unfit += 1
+            below = max(args.image_size // stride, 1) * stride
+            print(f"{row}   * not at {args.image_size} px (patch stride {stride}): nearest {below} or {below + stride}")
+            continue
+        c = c.replace(image_size=args.image_size)
+        print(f"{row}{count_params(c):>14,}{flops(c) / 1e9:>9.1f}")
+    if unfit:
+        print(f"* {unfit} variant(s) need a resolution that is a multiple of their patch stride.")
     return 0
 
 
@@ -43,8 +59,12 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Load a checkpoint of any format and write it in another."""
-    model = load_checkpoint(args.src, format=args.format)
-    export(model, args.dst, format=args.to)
+    model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export(model, args.dst, format=args.to)
+    for warning in caught:
+        print(f"vitkit convert: warning: {warning.message}", file=sys.stderr)
     c = model.config
     shape = f"{c.num_layers} layers, D={c.hidden_size}, {c.num_heads} heads, patch {c.patch_size}, {c.image_size} px"
     print(f"{args.src} -> {args.dst} ({args.to}): {shape}, {c.num_classes} classes")
@@ -53,14 +73,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
-    from .report import dataset_samples, load_images, write_report
+    from .report import dataset_samples, load_images, occlusion_plan, write_report
 
-    model = load_checkpoint(args.checkpoint)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     if args.image:
-        samples = load_images(args.image, model)
+        samples = load_images(args.image, model, strict=args.strict)
     else:
         samples = dataset_samples(args.data, args.samples, model, split=args.split)
-    path = write_report(model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}")
+    samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
+    print(occlusion_plan(model, samples.images.shape[0], args.stride), flush=True)
+    path = write_report(
+        model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}", stride=args.stride, progress=True
+    )
     print(f"wrote {path} ({samples.images.shape[0]} image(s))")
     return 0
 
@@ -80,9 +104,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .training import train
 
     if args.resume:
-        result = train(resume=args.resume)
+        changes = {name: getattr(args, name) for name in field_types() if hasattr(args, name)}
+        if args.config:
+            raise ValueError(f"--config {args.config} with --resume: a resumed run keeps its saved config.")
+        result = train(resume=args.resume, changes=changes)
     else:
-        result = train(_train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {}))
+        config = _train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {})
+        if args.command == "finetune" and config.checkpoint is None:
+            raise ValueError(
+                "finetune needs --checkpoint MODEL, the pre-trained weights to start from; to train from random "
+                "weights use `vitkit train` (add --optimizer sgd --lr 0.01 for the fine-tuning recipe)."
+            )
+        result = train(config)
     return 130 if result.interrupted else 0
 
 
@@ -91,53 +124,100 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import get_dataset
     from .evaluation import evaluate, format_eval
 
-    model = load_checkpoint(args.checkpoint)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
-    dataset = get_dataset(args.data, args.split, **kwargs)
+    dataset = get_dataset(args.data, args.split, strict=args.strict, **kwargs)
     if len(dataset.classes) != model.config.num_classes:
         raise ValueError(
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
-    result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision)
+    result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
+    skipped = getattr(dataset, "skipped", None)
+    if skipped:
+        print(skipped.summary())
     return 0
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
-    from .evaluation import predict
+    from .data import read_image
+    from .evaluation import image_files, input_notes, predict
 
-    model = load_checkpoint(args.checkpoint)
-    for path, top in zip(args.images, predict(model, args.images, args.top_k)):
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
+    files = image_files(args.images)
+    results = predict(model, files, args.top_k, progress=True, strict=args.strict)
+    for path, top in zip(files, results):
+        if top is None:  # unreadable: warned about, counted below
+            continue
         print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
+        for note in input_notes(model, read_image(path)):
+            print(f"  note: {note}")
+    skipped = sum(top is None for top in results)
+    if skipped:
+        print(f"{skipped} unreadable image file(s) skipped")
     return 0
+
+
+def _add_execution_options(p: argparse.ArgumentParser) -> None:
+    """--device and --threads, described as TrainConfig describes them."""
+    p.add_argument("--device", default="auto", help=field_help("device")[0] + "; default auto")
+    p.add_argument("--threads", type=int, default=0, help=field_help("threads")[0] + "; default 0")
+
+
+def _placed(model, args: argparse.Namespace):
+    """The model on --device, with torch on --threads CPU threads."""
+    import torch
+
+    from .distributed import resolve_device
+
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return model.to(resolve_device(args.device))
 
 
 # Other spellings of TrainConfig options, kept working for existing command lines.
 OPTION_ALIASES = {"trainable": ["--train"]}
 
 
-def _add_train_options(p: argparse.ArgumentParser) -> None:
-    """One --option per TrainConfig field (dashes for underscores); unset options keep the config's value."""
+def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
+    """One --option per TrainConfig field (dashes for underscores), described by the field's own help and
+    choices, with this command's defaults (TrainConfig's, with `preset` on top); unset options keep the value."""
     p.add_argument("--config", help="YAML or JSON file of TrainConfig fields (options given here override it)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR exactly")
-    defaults = TrainConfig()
+    safe = ", ".join("--" + n.replace("_", "-") for n in RESUMABLE)
+    text = f"continue the run saved in RUN_DIR exactly; with it only {safe} may be given"
+    p.add_argument("--resume", metavar="RUN_DIR", help=text)
+    defaults = TrainConfig(**preset)
     for name, kind in field_types().items():
         flags, default = ["--" + name.replace("_", "-"), *OPTION_ALIASES.get(name, [])], getattr(defaults, name)
-        text = f"(default {default!r})"
+        text, choices = field_help(name)
+        if choices:
+            text += f" ({'|'.join(choices)})"
+        if default is not None:
+            shown = " ".join(map(str, default)) if isinstance(default, tuple) else _shown(default)
+            text += f"; default {shown}"
+        common: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if kind in (dict, dict | None):
-            p.add_argument(*flags, dest=name, type=_mapping, default=argparse.SUPPRESS, metavar="JSON|K=V,...",
-                           help=f"{text}")  # fmt: skip
+            p.add_argument(*flags, type=_mapping, metavar="K=V,...", **common)
         elif kind in (bool, bool | None):
-            p.add_argument(*flags, dest=name, type=_boolean, default=argparse.SUPPRESS, metavar="true|false", help=text)
+            p.add_argument(*flags, type=_boolean, nargs="?", const=True, metavar="true|false", **common)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
             number = int if kind == tuple[int, int] | None else float
-            p.add_argument(*flags, dest=name, type=number, nargs=2, default=argparse.SUPPRESS, help=text)
+            p.add_argument(*flags, type=number, nargs=2, metavar=("A", "B"), **common)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
-            p.add_argument(*flags, dest=name, type=item, default=argparse.SUPPRESS, help=text)
+            p.add_argument(*flags, type=item, choices=choices, metavar=name.upper(), **common)
+
+
+def _shown(value) -> str:
+    """A default as the user would type it: model_args as K=V pairs, numbers without needless digits."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items()) or "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _mapping(text: str) -> dict:
@@ -162,8 +242,27 @@ def _boolean(text: str) -> bool:
     return text.lower() in ("true", "1", "yes")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one `--help` away), exit status 2."""
+
+    def error(self, message: str):
+        choice = re.search(r"invalid choice: '?([^']*?)'? \(choose from (.*)\)", message)
+        if choice:  # argparse lists the allowed values; add the closest one
+            allowed = [c.strip().strip("'") for c in choice.group(2).split(",")]
+            close = difflib.get_close_matches(choice.group(1), allowed, n=1, cutoff=0.5)
+            message += f"; did you mean {close[0]!r}?" if close else ""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_reading_options(p: argparse.ArgumentParser, images: bool = True) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint with NaN/Inf weights (warns)")
+    if images:
+        p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: skip it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    parser = _Parser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    parser.add_argument("--version", action="version", version=f"vitkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("models", help="table of the model variants (paper Table 1) with params and GFLOPs")
@@ -177,51 +276,82 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
     p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
-    p.add_argument("dst", help="output file (a directory for --to hf)")
+    p.add_argument("dst", help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
+                   "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
     p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf", "dinov2", "onnx"),
                    help="input format")  # fmt: skip
+    _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
-    source.add_argument("--data", default="shapes", help="dataset to take images from (default shapes)")
+    datasets = field_help("data")[1] or ()
+    source.add_argument("--data", default="shapes", choices=datasets, metavar="DATA",
+                        help=f"dataset to take images from ({'|'.join(datasets)}); default shapes")  # fmt: skip
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
-    p.add_argument("--split", default="test", help="split of --data (default test)")
+    p.add_argument("--split", default="test", choices=("train", "test"), help="split of --data (default test)")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
+    p.add_argument(
+        "--stride", type=int, help="pixels between occlusion windows (default half a patch); doubling it quarters "
+        "the forward passes, which the command counts before it starts",
+    )  # fmt: skip
+    _add_execution_options(p)
+    _add_reading_options(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
-    _add_train_options(p)
+    _add_train_options(p, {})
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("finetune", help="fine-tune --checkpoint with the official recipe (SGD, new head)")
-    _add_train_options(p)
+    _add_train_options(p, FINETUNE_DEFAULTS)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
-    p.add_argument("--data", default="fashion-mnist", help="dataset name (default fashion-mnist)")
-    p.add_argument("--data-dir", help="directory holding the dataset's files")
-    p.add_argument("--split", default="test", choices=("train", "test"))
-    p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
+                   help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
+    p.add_argument("--data-dir", help=field_help("data_dir")[0])
+    p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")
+    p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help=field_help("precision")[0])
+    _add_execution_options(p)
+    _add_reading_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
     p.add_argument("--checkpoint", required=True,
                    help="model file with class names (as `vitkit train` saves), or pretrained name")  # fmt: skip
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
+    _add_execution_options(p)
+    _add_reading_options(p)
     p.set_defaults(func=cmd_predict)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a value, a file): one line and exit status 2; a failure of the machine (a full disk, a dead
+    data worker): one line and exit status 1. Warnings (a skipped image, say) are one line each."""
     args = build_parser().parse_args(argv)
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
+    except (
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+        NotADirectoryError,
+        IsADirectoryError,
+        ConnectionError,
+    ) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, WorkerError, NonFiniteError) as e:
+        print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        warnings.formatwarning = formatwarning

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from .augment import eval_batch
-from .data import ImageArrayDataset, LabelledDataset, read_image
+from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset
 from .distributed import World, all_reduce_sum
+from .errors import ImageError, WorkerError
+from .images import SkipLog, read_image
 from .model import VisionTransformer
 
 
@@ -54,7 +59,9 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: int = 0):
     """Yield (uint8 images, labels) for each list of indices. In-memory splits are sliced directly; others are
-    decoded by a DataLoader (with `workers` processes), images of different sizes then come as a list."""
+    decoded by a DataLoader (with `workers` processes), images of different sizes then come as a list. Samples
+    whose file failed to decode are dropped from their batch and logged in `dataset.skipped` (one warning each);
+    a worker that dies is reported as an error, never waited on."""
     if isinstance(dataset, ImageArrayDataset):
         for idx in index_batches:
             index = torch.as_tensor(idx, dtype=torch.long)
@@ -68,14 +75,29 @@ def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: i
         collate_fn=_collate,
         generator=torch.Generator(),
     )
-    yield from loader
+    skipped = getattr(dataset, "skipped", None)
+    if skipped is None:
+        skipped = SkipLog()
+    try:
+        for images, labels, failed in loader:
+            for error in failed:
+                skipped.add(error)
+            yield images, labels
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        raise WorkerError(
+            f"a data-loading worker process died ({e}). If memory ran out, lower --workers; --workers 0 decodes "
+            "in the main process, where an error names its file."
+        ) from e
 
 
-def _collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
-    images = [s[0] for s in samples]
-    labels = torch.tensor([s[1] for s in samples], dtype=torch.long)
-    same = all(im.shape == images[0].shape for im in images)
-    return (torch.stack(images) if same else images), labels
+def _collate(samples: list[tuple[torch.Tensor | ImageError, int]]):
+    images = [s[0] for s in samples if isinstance(s[0], torch.Tensor)]
+    labels = torch.tensor([s[1] for s in samples if isinstance(s[0], torch.Tensor)], dtype=torch.long)
+    same = bool(images) and all(im.shape == images[0].shape for im in images)
+    failed = [s[0] for s in samples if isinstance(s[0], ImageError)]
+    return (torch.stack(images) if same else images), labels, failed
 
 
 @torch.no_grad()
@@ -87,9 +109,13 @@ def evaluate(
     precision: str = "fp32",
     world: World | None = None,
     workers: int = 0,
+    progress: bool = False,
 ) -> EvalResult:
     """Official evaluation (whole image resized to the model resolution) over a split, shared between the
-    processes of `world` (each takes every world.size-th image; the counts are summed)."""
+    processes of `world` (each takes every world.size-th image; the counts are summed). `progress` shows a
+    bar on a terminal (none in a log)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: evaluate at least one image per batch (e.g. 1000).")
     device = next(model.parameters()).device
     rank, size = (world.rank, world.size) if world else (0, 1)
     indices = list(range(rank, len(dataset), size))
@@ -100,7 +126,11 @@ def evaluate(
     was_training = model.training
     model.eval()
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    bar = tqdm(total=len(indices), desc="evaluating", unit="img", disable=None if progress else True)
     for images, labels in batches(dataset, chunks, workers):
+        bar.update(len(labels))
+        if not len(labels):  # every file of the batch was skipped
+            continue
         x = eval_batch(images, model.config.image_size, model.config.in_chans).to(device)
         labels = labels.to(device)
         with autocast(device, precision):
@@ -108,6 +138,7 @@ def evaluate(
         loss += F.cross_entropy(logits, labels, reduction="sum").double()
         confusion += torch.bincount(labels * k + logits.argmax(1), minlength=k * k).reshape(k, k)
         top5 += (logits.topk(min(5, k), dim=1).indices == labels[:, None]).any(1).sum()
+    bar.close()
     model.train(was_training)
     if world is not None:
         for t in (confusion, top5, loss):
@@ -125,15 +156,68 @@ def format_eval(result: EvalResult, classes: list[str] | None) -> str:
     return "\n".join(lines)
 
 
+def image_files(paths: list[str | os.PathLike]) -> list[Path]:
+    """The image files named, a directory standing for the images in it (sorted, not recursive)."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"{path}: a directory with no images ({', '.join(IMAGE_SUFFIXES)}).")
+            files += found
+        else:
+            files.append(path)
+    return files
+
+
+def input_notes(model: VisionTransformer, image: torch.Tensor) -> list[str]:
+    """Ways an image (uint8 (C, H, W), as read) differs clearly from what the model was trained on, judged by
+    what its checkpoint records (`trained_on`, else the model's channels and resolution): colour given to a
+    model of grayscale images, or a size far (over 4x) from the training images'."""
+    seen = getattr(model, "trained_on", None) or {}
+    notes = []
+    grayscale = seen.get("grayscale", model.config.in_chans == 1)
+    colour = image.shape[0] >= 3 and float((image[:3].float() - image[:3].float().mean(0)).abs().mean()) > 4.0
+    if grayscale and colour:
+        where = f" ({seen['data']})" if "data" in seen else ""
+        notes.append(f"a colour image, but the model was trained on grayscale images{where}: read it with care")
+    th, tw = seen.get("image_size") or model.config.image_size
+    h, w = image.shape[-2:]
+    if max(h / th, w / tw, th / h, tw / w) > 4:
+        notes.append(
+            f"{w}x{h} px, far from the {tw}x{th} px images it was trained on (resized to "
+            f"{model.config.image_size[1]}x{model.config.image_size[0]}): detail is lost or invented"
+        )
+    return notes
+
+
 @torch.no_grad()
-def predict(model: VisionTransformer, paths: list[str | os.PathLike], k: int = 5) -> list[list[tuple[str, float]]]:
-    """Top-k (class name, probability) for each image file, evaluated as in `evaluate`."""
+def predict(
+    model: VisionTransformer,
+    paths: Sequence[str | os.PathLike],
+    k: int = 5,
+    progress: bool = False,
+    strict: bool = False,
+) -> list[list[tuple[str, float]] | None]:
+    """Top-k (class name, probability) for each image file, evaluated as in `evaluate`. A file that cannot be
+    read gives None in its place (with a warning naming it), or with `strict` an ImageError."""
+    if k < 1:
+        raise ValueError(f"k={k}: ask for at least the top class (k >= 1).")
     model.eval()
     device = next(model.parameters()).device
     names = model.class_names or [str(i) for i in range(model.config.num_classes)]
-    out = []
-    for path in paths:
-        x = eval_batch(read_image(path), model.config.image_size, model.config.in_chans).to(device)
+    skipped = SkipLog()
+    out: list[list[tuple[str, float]] | None] = []
+    for path in tqdm(paths, desc="predicting", unit="img", disable=None if progress else True):
+        try:
+            image = read_image(path)
+        except ImageError as e:
+            if strict:
+                raise
+            skipped.add(e)
+            out.append(None)
+            continue
+        x = eval_batch(image, model.config.image_size, model.config.in_chans).to(device)
         probs = model(x).float().softmax(-1)[0]
         top = probs.topk(min(k, len(probs)))
         out.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])

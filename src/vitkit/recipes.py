@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import check_fields
+from .config import check_fields, check_type
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear")
 PRECISIONS = ("fp32", "bf16")
 TRAINABLE = ("full", "head", "attention", "mlp")
+NONFINITE = ("stop", "skip")
 
 # The main job's model: ViT-Ti/4 made much narrower and shallower for 28x28 images (7x7 = 49 patches + class token).
 SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
@@ -45,53 +46,78 @@ FINETUNE_DEFAULTS = {
 }
 
 
+def _field(default: Any, help: str, choices: Any = None) -> Any:
+    """A TrainConfig field with its one-line description (the command-line help) and, where the values come from
+    a registry, its `choices` (a tuple, or a function returning one, read when the help is built)."""
+    metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _dataset_names() -> tuple[str, ...]:
+    from .data import DATASETS  # the data stack is imported only when the help is built
+
+    return tuple(sorted(DATASETS))
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training or fine-tuning run. Every field is a `vitkit train --<field-with-dashes>` option.
+    """One training or fine-tuning run. Every field is a `vitkit train --<field-with-dashes>` option, its
+    `help` metadata the option's description.
 
     The defaults are the main job: a small ViT on Fashion-MNIST, Adam(W) with warmup and cosine decay.
     """
 
     # data
-    data: str = "fashion-mnist"
-    data_dir: str | None = None
-    data_args: dict = field(default_factory=dict)  # extra dataset arguments, e.g. {"val_fraction": 0.2}
-    image_size: int | None = None  # model resolution; None: the dataset's own (or the checkpoint's) size
-    crop_scale: tuple[float, float] | None = None  # inception-crop area range; None: the dataset's default
-    flip: bool | None = None  # random horizontal flip; None: the dataset's default (off for digits)
-    randaugment: tuple[int, int] | None = None  # (ops, magnitude), e.g. (2, 15)
-    mixup: float = 0.0  # Beta(alpha, alpha); 0 = off
-    workers: int = 0  # DataLoader worker processes for datasets decoded on the fly (image folders)
+    data: str = _field("fashion-mnist", "dataset to train on", _dataset_names)
+    data_dir: str | None = _field(None, "directory holding the dataset's files (default: the usual places)")
+    data_args: dict = _field({}, "extra dataset arguments, e.g. val_fraction=0.2 for imagefolder")
+    image_size: int | None = _field(
+        None, "model resolution in pixels (default: the dataset's own, or the checkpoint's)"
+    )
+    crop_scale: tuple[float, float] | None = _field(None, "inception-crop area range MIN MAX (default: the dataset's)")
+    flip: bool | None = _field(None, "random horizontal flip (default: the dataset's choice, off for digits)")
+    randaugment: tuple[int, int] | None = _field(None, "RandAugment OPS MAGNITUDE, e.g. 2 15 (default: off)")
+    mixup: float = _field(0.0, "mixup Beta(alpha, alpha); 0 turns it off")
+    workers: int = _field(0, "DataLoader worker processes for datasets decoded on the fly (image folders)")
     # model
-    model: str = "ViT-Ti/4"
-    model_args: dict = field(default_factory=lambda: dict(SMALL_MODEL_ARGS))  # ViTConfig overrides
-    checkpoint: str | None = None  # fine-tune from this model file (any format load_checkpoint reads)
-    trainable: str = "full"  # which parameters learn: full | head (linear probe) | attention | mlp
+    model: str = _field("ViT-Ti/4", "variant name ViT-<Ti|S|B|L|H>/<patch> or R50+ViT-B/16 (see `vitkit models`)")
+    model_args: dict = _field(SMALL_MODEL_ARGS, "ViTConfig overrides, e.g. hidden_size=64,num_layers=4")
+    checkpoint: str | None = _field(None, "start from this model file (any format load_checkpoint reads)")
+    trainable: str = _field("full", "which parameters learn: head is a linear probe", TRAINABLE)
     # optimisation
-    optimizer: str = "adamw"
-    lr: float = 2e-3
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.999)
-    momentum: float = 0.9
-    batch_size: int = 128  # global: split over processes and accumulation steps
-    accumulation_steps: int = 1
-    epochs: float = 6.0
-    steps: int | None = None  # total optimiser steps; overrides epochs
-    warmup_fraction: float = 0.05
-    schedule: str = "cosine"
-    grad_clip: float = 1.0
-    label_smoothing: float = 0.0
+    optimizer: str = _field("adamw", "optimiser: adamw (pre-training) or sgd with momentum (fine-tuning)", OPTIMIZERS)
+    lr: float = _field(2e-3, "peak learning rate, reached after the warmup")
+    weight_decay: float = _field(0.05, "decoupled weight decay on weight matrices only")
+    betas: tuple[float, float] = _field((0.9, 0.999), "Adam's B1 B2")
+    momentum: float = _field(0.9, "SGD momentum")
+    batch_size: int = _field(128, "global batch: split over processes and accumulation steps")
+    accumulation_steps: int = _field(1, "micro-batches per optimiser step (gradient accumulation)")
+    epochs: float = _field(6.0, "passes over the training split (fractions allowed)")
+    steps: int | None = _field(None, "total optimiser steps; overrides --epochs")
+    warmup_fraction: float = _field(0.05, "fraction of the steps spent warming the learning rate up linearly")
+    schedule: str = _field("cosine", "learning-rate decay after the warmup", SCHEDULES)
+    grad_clip: float = _field(1.0, "global gradient-norm clipping; 0 turns it off")
+    label_smoothing: float = _field(0.0, "label smoothing of the cross-entropy")
     # execution
-    precision: str = "fp32"
-    device: str = "auto"
-    threads: int = 0  # CPU threads for torch; 0: torch's default (one per core)
-    seed: int = 0
-    eval_every: float = 1.0  # epochs between evaluations on the test split (0: only at the end)
-    eval_batch_size: int = 1000
-    log_every: int = 20  # steps between lines of metrics.jsonl
-    out_dir: str | None = None  # run directory; None: runs/<data>-<time>
+    precision: str = _field("fp32", "arithmetic: bf16 autocasts matrix products", PRECISIONS)
+    device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    threads: int = _field(0, "CPU threads for torch; 0: torch's default (one per core)")
+    seed: int = _field(0, "seed of the initialisation, data order and augmentation")
+    eval_every: float = _field(1.0, "epochs between evaluations on the test split; 0: only at the end")
+    eval_batch_size: int = _field(1000, "batch size of the evaluations")
+    log_every: int = _field(20, "steps between lines of metrics.jsonl")
+    out_dir: str | None = _field(None, "run directory (default: runs/<data>-<time>)")
+    overwrite: bool = _field(False, "replace a run already in out_dir (otherwise refused: continue it with --resume)")
+    strict: bool = _field(False, "an unreadable image file stops the run (otherwise it is skipped and counted)")
+    nonfinite: str = _field(
+        "stop", "a NaN/Inf loss or gradient: stop the run at that step, or skip the step", NONFINITE
+    )
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_type(f.name, getattr(self, f.name), f.type)
         for name, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown: choose one of {', '.join(allowed)}.")
@@ -116,6 +142,21 @@ class TrainConfig:
             raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1).")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping).")
+        for name, low in (("threads", 0), ("workers", 0), ("eval_every", 0), ("mixup", 0), ("momentum", 0),
+                          ("eval_batch_size", 1), ("log_every", 1), ("image_size", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name}={value} is invalid: allowed values are >= {low}.")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device={self.device!r} is unknown: choose one of auto, cpu, cuda, cuda:N.")
+        if self.crop_scale is not None and not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale={self.crop_scale} is invalid: two area fractions 0 < min <= max <= 1.")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas} is invalid: two values in [0, 1).")
+        if self.randaugment is not None and (self.randaugment[0] < 0 or not 0 <= self.randaugment[1] <= 30):
+            raise ValueError(f"randaugment={self.randaugment} is invalid: (ops >= 0, magnitude in 0..30).")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite={self.nonfinite!r} is unknown: choose one of {', '.join(NONFINITE)}.")
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
@@ -152,6 +193,32 @@ class TrainConfig:
 def field_types() -> dict[str, Any]:
     """TrainConfig field name -> its annotated type (for building command-line options)."""
     return typing.get_type_hints(TrainConfig)
+
+
+def field_help(name: str) -> tuple[str, tuple[str, ...] | None]:
+    """A TrainConfig field's one-line description and its valid values (None: any value of its type)."""
+    metadata = next(f.metadata for f in dataclasses.fields(TrainConfig) if f.name == name)
+    choices = metadata.get("choices")
+    return metadata["help"], tuple(choices() if callable(choices) else choices) if choices else None
+
+
+# Fields a resumed run may change: how long it runs and how often it evaluates and logs, and execution details
+# that do not change what is computed. Every other field would make the continuation a different run.
+RESUMABLE = ("epochs", "steps", "eval_every", "eval_batch_size", "log_every", "threads", "workers")
+
+
+def resume_changes(saved: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
+    """The saved config of a run with `changes` for its continuation; refuses, by name, what cannot change."""
+    check_fields(TrainConfig, changes)
+    refused = sorted(k for k, v in changes.items() if k not in RESUMABLE and v != getattr(saved, k))
+    if refused:
+        raise ValueError(
+            f"--resume continues the saved run exactly, so {', '.join(refused)} cannot change; only "
+            f"{', '.join(RESUMABLE)} can. Drop those options, or start a new run with them."
+        )
+    if "epochs" in changes and "steps" not in changes:
+        changes = {**changes, "steps": None}  # the saved run counted steps; --epochs asks to count epochs
+    return saved.replace(**changes)
 
 
 # ------------------------------------------------------------------------------------------------------------

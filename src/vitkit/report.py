@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from inspect import signature
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +21,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from . import analysis as vi
-from .data import DATASETS, get_dataset, read_image, to_input
+from .data import DATASETS, get_dataset, to_input
+from .errors import ImageError
+from .files import atomic_write
+from .images import SkipLog, read_image
 from .model import VisionTransformer
 
 DPI = 100
@@ -43,12 +47,25 @@ class Samples:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def load_images(paths: list[str | os.PathLike], model: VisionTransformer) -> Samples:
+def load_images(paths: list[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
     """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
-    (aspect ratio not kept), normalised with `to_input`."""
+    (aspect ratio not kept), normalised with `to_input`. Unreadable files are skipped with a warning naming
+    each (with `strict`, the first is an ImageError); none readable is an error."""
     mode = "L" if model.config.in_chans == 1 else "RGB"
-    images = [to_input(read_image(path, mode), model.config.image_size, model.config.in_chans) for path in paths]
-    return Samples(torch.cat(images), [Path(p).name for p in paths])
+    images, titles, skipped = [], [], SkipLog()
+    for path in paths:
+        try:
+            image = read_image(path, mode)
+        except ImageError as e:
+            if strict:
+                raise
+            skipped.add(e)
+            continue
+        images.append(to_input(image, model.config.image_size, model.config.in_chans))
+        titles.append(Path(path).name)
+    if not images:
+        raise ValueError(f"none of the {len(paths)} image file(s) could be read: {'; '.join(skipped.files.values())}")
+    return Samples(torch.cat(images), titles)
 
 
 def dataset_samples(name: str, count: int, model: VisionTransformer, split: str = "test") -> Samples:
@@ -59,12 +76,17 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
     """
     if count < 1:
         raise ValueError(f"--samples {count}: ask for at least one image.")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if name in DATASETS and "image_size" in signature(DATASETS[name]).parameters:
         kwargs["image_size"] = model.config.image_size[0]
     dataset = get_dataset(name, split, **kwargs)
     count = min(count, len(dataset))
     raw = [dataset[i] for i in range(count)]
+    skipped: SkipLog = getattr(dataset, "skipped", SkipLog())
+    for image, _ in raw:
+        if isinstance(image, ImageError):  # an image file that failed to decode: logged, left out
+            skipped.add(image)
+    raw = [sample for sample in raw if not isinstance(sample[0], ImageError)]
     images = torch.cat([to_input(img, model.config.image_size, model.config.in_chans) for img, _ in raw])
     labels = [int(label) for _, label in raw]
     classes = getattr(dataset, "classes", None)
@@ -334,14 +356,47 @@ th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; } th { back
 """
 
 
-def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.PathLike, title: str = "") -> Path:
+def occlusion_plan(model: VisionTransformer, images: int, stride: int | None = None) -> str:
+    """What the occlusion maps will cost, said before they are computed: forward passes in all, and how a
+    coarser `stride` would cut them."""
+    patch = model.config.patch_stride[0]
+    stride = stride or max(patch // 2, 1)
+    windows = len(vi.occlusion_windows(model.config.image_size, patch, stride))
+    text = (
+        f"occlusion: {images} image(s) x {windows:,} windows = {images * windows:,} forward passes "
+        f"({patch} px window, --stride {stride})"
+    )
+    coarser = min(2 * stride, patch)
+    if coarser > stride:
+        fewer = len(vi.occlusion_windows(model.config.image_size, patch, coarser))
+        text += f"; --stride {coarser} takes {images * fewer:,}"
+    return text
+
+
+def write_report(
+    model: VisionTransformer,
+    samples: Samples,
+    out_dir: str | os.PathLike,
+    title: str = "",
+    stride: int | None = None,
+    progress: bool = False,
+) -> Path:
     """Compute every figure of `vitkit.analysis` for `model` on `samples`, write each as a PNG into `out_dir`
-    and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file."""
+    and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file. `stride` is the
+    occlusion windows' (default: half a patch); `progress` shows a bar of the occlusion forward passes on a
+    terminal."""
+    from tqdm import tqdm
+
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: the report is a folder (PNGs and report.html); give a new path.")
     out.mkdir(parents=True, exist_ok=True)
     images, n = samples.images, samples.images.shape[0]
     rollouts = [vi.attention_rollout(model, image) for image in images]
-    occlusions = [vi.occlusion_sensitivity(model, image) for image in images]
+    patch = model.config.patch_stride[0]
+    windows = len(vi.occlusion_windows(model.config.image_size, patch, stride or max(patch // 2, 1)))
+    with tqdm(total=n * windows, desc="occlusion", unit="pass", disable=None if progress else True) as bar:
+        occlusions = [vi.occlusion_sensitivity(model, image, stride=stride, on_batch=bar.update) for image in images]
     maps = vi.attention_maps(model, images[0])
     distance = vi.mean_attention_distance(model, images)
     uniform = float(vi.patch_distances(model.config.grid_size, model.config.patch_stride).mean())
@@ -349,7 +404,7 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
 
     def figure(name: str, heading: str, fig: Figure, caption: str) -> str:
         data = png_bytes(fig)
-        (out / f"{name}.png").write_bytes(data)
+        atomic_write(out / f"{name}.png", lambda tmp: Path(tmp).write_bytes(data))
         return _figure_html(name, data, heading, caption)
 
     parts = [_config_html(model)]
@@ -377,6 +432,11 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
         parts.append(figure("posemb_similarity", "Position embedding similarity", fig, CAPTIONS["posemb_similarity"]))
     if filters.image_like:
         caption = CAPTIONS["embedding_filters"].format(note=html.escape(filters.note))
+        if model.config.in_chans == 3 and (getattr(model, "trained_on", None) or {}).get("grayscale"):
+            caption += (
+                " <b>This model was trained on grayscale images</b> (given as three equal channels), so the "
+                "colours of these filters mean nothing: only their light and dark pattern does."
+            )
         parts.append(figure("embedding_filters", "Patch-embedding filters", plot_embedding_filters(filters), caption))
     else:
         parts.append(_note_html("embedding_filters", "Patch-embedding filters", filters.note))
@@ -390,5 +450,5 @@ def write_report(model: VisionTransformer, samples: Samples, out_dir: str | os.P
         f"{html.escape(', '.join(samples.titles))}.</p>" + "".join(parts) + "</body></html>"
     )
     path = out / "report.html"
-    path.write_text(page, encoding="utf-8")
+    atomic_write(path, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     return path

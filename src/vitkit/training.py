@@ -30,13 +30,14 @@ from tqdm import tqdm
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig, decode_variant
-from .data import ImageArrayDataset, dataset_augmentation, get_dataset
+from .data import ImageArrayDataset, dataset_augmentation, describe, get_dataset
 from .distributed import World, all_gather_tensors, any_process, barrier, close_world, init_world
 from .efficiency import count_params
+from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
-from .recipes import TrainConfig, build_optimizer, learning_rate, set_trainable
-from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
+from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
+from .runs import RunDir, claim_run_dir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
 ARCHITECTURE_FIELDS = {"hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb",
@@ -54,7 +55,9 @@ class TrainResult:
     final: EvalResult | None
     best_top1: float
     seconds: float  # in training steps, over all sessions of the run
-    wall_seconds: float  # this session, data loading and evaluation included
+    wall_seconds: float  # over all sessions of the run, data loading and evaluation included
+    skipped_steps: int = 0  # non-finite steps not applied (nonfinite="skip")
+    skipped_images: int = 0  # unreadable image files left out (this session)
 
 
 def load_datasets(config: TrainConfig):
@@ -62,7 +65,8 @@ def load_datasets(config: TrainConfig):
     kwargs = dict(config.data_args)
     if config.data_dir is not None:
         kwargs["data_dir"] = config.data_dir
-    return get_dataset(config.data, "train", **kwargs), get_dataset(config.data, "test", **kwargs)
+    train_set = get_dataset(config.data, "train", strict=config.strict, **kwargs)
+    return train_set, get_dataset(config.data, "test", strict=config.strict, **kwargs)
 
 
 def initial_model(config: TrainConfig, dataset) -> VisionTransformer:
@@ -129,22 +133,35 @@ class StopRequest:
 
 
 def train(
-    config: TrainConfig | None = None, *, resume: str | Path | None = None, stop_after: int | None = None
+    config: TrainConfig | None = None,
+    *,
+    resume: str | Path | None = None,
+    changes: dict | None = None,
+    stop_after: int | None = None,
 ) -> TrainResult:
     """Run `config` (default: the main job), or continue the run saved in the directory `resume` with its own
-    config; returns how it ended. `stop_after` stops after that many steps in all, as an interruption would:
-    a checkpoint is saved."""
+    config, with `changes` to the fields `recipes.RESUMABLE` names (length, cadence); returns how it ended.
+    `stop_after` stops after that many steps in all, as an interruption would: a checkpoint is saved."""
     if config is not None and resume is not None:
         raise ValueError(f"give a config or resume={str(resume)!r}, not both: a resumed run keeps its saved config.")
+    if changes and resume is None:
+        raise ValueError("changes= applies to a resumed run: give resume=RUN_DIR, or put them in the config.")
     config = config or TrainConfig()
     saved = None
     if resume is not None:
         saved = read_checkpoint(resume)
-        config = TrainConfig.from_dict(json.loads(saved["config"]))
+        config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
         run_path = Path(resume)
     else:
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
     world = init_world(config.device)
+    if saved is None:
+        try:
+            claim_run_dir(run_path, config.overwrite, world.is_main)
+        except BaseException:
+            close_world(world)
+            raise
+        barrier(world)  # the main process has cleared an overwritten run before anyone writes
     threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -162,6 +179,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
     model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
+    model.trained_on = describe(config.data, train_set)
     learning = set_trainable(model, config.trainable)
     model.to(world.device)
     optimizer = build_optimizer(model, config)
@@ -169,6 +187,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     plan = plan_steps(config, len(train_set), world)
     run = RunDir(run_path, enabled=world.is_main)
     state = TrainState(config, world, plan, augment_config(config, train_set), model, model, optimizer, run)
+    state.session_start = started
     if saved is not None:
         restore(state, saved)
     else:
@@ -205,7 +224,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     bar.close()
     if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
         final = run_evaluation(state, test_set)
-    return finish(state, final, interrupted, started)
+    return finish(state, final, interrupted, started, (train_set, test_set))
 
 
 @dataclass(frozen=True)
@@ -299,8 +318,12 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     run: RunDir
     step: int = 0  # optimiser updates done
+    skipped_steps: int = 0  # steps with a non-finite loss or gradient, not applied (nonfinite="skip")
+    saved_step: int | None = None  # the step of the newest checkpoint
     best_top1: float = -1.0
     elapsed: float = 0.0  # seconds in training steps, over all sessions of the run
+    wall_before: float = 0.0  # wall-clock seconds of the earlier sessions of the run
+    session_start: float = 0.0  # time.perf_counter() when this session began
     window: MetricsWindow = field(default_factory=MetricsWindow)
 
 
@@ -339,6 +362,8 @@ def restore(state: TrainState, saved: dict) -> None:
     state.model.load_state_dict(saved["model"])
     state.optimizer.load_state_dict(saved["optimizer"])
     state.step, state.best_top1, state.elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
+    state.skipped_steps, state.saved_step = int(saved.get("skipped_steps", 0)), state.step
+    state.wall_before = float(saved.get("wall_elapsed", 0.0))
     world = state.world
     if len(saved["rng"]) == world.size:
         torch.set_rng_state(saved["rng"][world.rank])
@@ -377,10 +402,13 @@ def train_step(state: TrainState, micro_batches: Iterator[tuple[torch.Tensor, to
     lr = learning_rate(state.step, state.plan.total, config.lr, state.plan.warmup, config.schedule)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
+    finite = True
     for m in range(config.accumulation_steps):
         images, labels = next(micro_batches)
+        if not len(labels):  # every image file of the micro-batch was unreadable (skipped, and counted)
+            continue
         x, targets = train_batch(
-            images, labels, draws[m * micro : (m + 1) * micro], model.config.image_size, state.augment,
+            images, labels, draws[m * micro : m * micro + len(labels)], model.config.image_size, state.augment,
             model.config.num_classes, model.config.in_chans,
         )  # fmt: skip
         x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
@@ -391,11 +419,27 @@ def train_step(state: TrainState, micro_batches: Iterator[tuple[torch.Tensor, to
                 logits = state.net(x)
             loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
             (loss / config.accumulation_steps).backward()
+        finite = finite and bool(torch.isfinite(loss))
         state.window.add(loss, logits, labels)
-    if config.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.grad_clip)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
+    # The total gradient norm (clipped to grad_clip when > 0; an infinite bound leaves the gradients as they are).
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
+    finite = finite and bool(torch.isfinite(norm))
+    if any_process(not finite, world):
+        state.optimizer.zero_grad(set_to_none=True)
+        if config.nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {state.step}: non-finite {'loss' if not torch.isfinite(loss) else 'gradient'} "
+                f"(loss {float(loss.detach()):g}, gradient norm {float(norm):g}); the run stopped without applying it. "
+                + (f"The newest checkpoint, step {state.saved_step}, is the last good state: continue with "
+                   f"`vitkit train --resume {state.run.path}` " if state.saved_step is not None else "No checkpoint "
+                   "was saved yet: start again ")
+                + "with a lower --lr, or pass --nonfinite skip to skip such steps."
+            )  # fmt: skip
+        state.skipped_steps += 1
+    else:
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
     spent = time.perf_counter() - tick
     state.elapsed += spent
     state.window.add_step(spent)
@@ -436,6 +480,8 @@ def checkpoint_state(state: TrainState) -> dict:
         "total_steps": plan.total,
         "best_top1": state.best_top1,
         "elapsed": state.elapsed,
+        "skipped_steps": state.skipped_steps,
+        "wall_elapsed": state.wall_before + time.perf_counter() - state.session_start,
         "rng": [t.cpu() for t in rng],
         "cuda_rng": [t.cpu() for t in cuda_rng],
     }
@@ -444,16 +490,20 @@ def checkpoint_state(state: TrainState) -> dict:
 def save_checkpoint(state: TrainState) -> None:
     """checkpoint.pt in the run directory, written atomically by the main process."""
     state.run.save_checkpoint(checkpoint_state(state))
+    state.saved_step = state.step
 
 
-def finish(state: TrainState, final: EvalResult | None, interrupted: bool, started: float) -> TrainResult:
+def finish(
+    state: TrainState, final: EvalResult | None, interrupted: bool, started: float, datasets: tuple = ()
+) -> TrainResult:
     """A finished run keeps model.safetensors and its plots; every run writes summary.json and prints it.
     `started`: `time.perf_counter()` when the session began (for the wall time)."""
     if not interrupted and state.world.is_main:
         export(state.model, state.run.path / "model.safetensors")
         plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
     result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
-                         state.elapsed, time.perf_counter() - started)  # fmt: skip
+                         state.elapsed, state.wall_before + time.perf_counter() - started, state.skipped_steps,
+                         sum(len(getattr(d, "skipped", ())) for d in datasets))  # fmt: skip
     if state.world.is_main:
         state.run.write_json("summary.json", summary_dict(result, state.config, state.model))
         print(format_summary(result, state.config, state.model), flush=True)
@@ -476,6 +526,8 @@ def summary_dict(result: TrainResult, config: TrainConfig, model: VisionTransfor
         "best_test_top1": result.best_top1,
         "per_class": dict(zip(model.class_names or [], result.final.per_class)) if result.final else None,
         "parameters": count_params(model.config),
+        "skipped_steps": result.skipped_steps,
+        "skipped_images": result.skipped_images,
     }
 
 
@@ -494,6 +546,10 @@ def format_summary(result: TrainResult, config: TrainConfig, model: VisionTransf
     ]
     if result.interrupted:
         lines.append(f"stopped    checkpoint saved; continue with: vitkit train --resume {result.run_dir}")
+    if result.skipped_steps or result.skipped_images:
+        lines.append(
+            f"skipped    {result.skipped_steps} non-finite step(s), {result.skipped_images} unreadable image(s)"
+        )
     if result.final is not None:
         lines.append(f"test       {format_eval(result.final, model.class_names)}")
         lines.append(f"best       top-1 {100 * result.best_top1:.2f}%")

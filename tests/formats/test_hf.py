@@ -8,6 +8,7 @@ from transformers import ViTConfig as HFConfig
 from transformers import ViTForImageClassification, ViTModel
 
 import vitkit
+from conftest import perturbed, tiny
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
@@ -18,14 +19,6 @@ CASES = {
     "non_square_no_qkv_bias": dict(image_size=(32, 48), qkv_bias=False, layer_norm_eps=1e-6),
     "no_labels": dict(num_labels=0),
 }
-
-
-def perturbed(model: torch.nn.Module) -> torch.nn.Module:
-    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
 
 
 def image(config) -> torch.Tensor:
@@ -105,8 +98,7 @@ def test_hf_export_loads_in_transformers_with_the_same_outputs_and_labels(tmp_pa
 @pytest.mark.parametrize("headless", [False, True])
 def test_vitkit_to_hf_to_vitkit_is_bit_exact(tmp_path, headless):
     changes = dict(num_classes=0, representation_size=32) if headless else dict(num_classes=3, dropout_rate=0.1)
-    config = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, **changes)
-    model = perturbed(VisionTransformer(config))
+    model = perturbed(tiny(num_heads=2, **changes))
     model.class_names = None if headless else ["ant", "bee", "cat"]
     vitkit.export(model, tmp_path / "hf", format="hf")
     loaded = vitkit.load_checkpoint(tmp_path / "hf")
@@ -115,11 +107,42 @@ def test_vitkit_to_hf_to_vitkit_is_bit_exact(tmp_path, headless):
 
 
 def test_hf_export_refuses_what_hf_vit_cannot_hold(tmp_path):
-    base = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=1, num_heads=2, mlp_dim=64, num_classes=3)
     for changes, message in [
         (dict(classifier="gap"), "class token"),
         (dict(representation_size=16), "no pre-logits layer"),
         (dict(posemb="sincos2d"), "posemb='sincos2d'"),
     ]:
         with pytest.raises(ValueError, match=message):
-            vitkit.export(VisionTransformer(ViTConfig(**base | changes)), tmp_path / "hf", format="hf")
+            vitkit.export(tiny(num_layers=1, **changes), tmp_path / "hf", format="hf")
+
+
+@pytest.mark.slow
+def test_hf_export_works_in_the_image_classification_pipeline_with_vitkits_scores(tmp_path):
+    """`pipeline("image-classification")` on an exported directory: its preprocessor_config.json reproduces
+    vitkit's preprocessing (bilinear resize, [-1, 1]), so the scores on a photograph match `vitkit.predict`
+    to 1e-2: transformers resizes the 8-bit image with PIL and rounds it to 8 bits, vitkit resizes in float, so
+    their inputs differ by under one grey level (checked), which this random model amplifies to ~3e-3."""
+    from PIL import Image
+    from skimage.data import chelsea
+    from transformers import AutoImageProcessor, pipeline
+
+    from vitkit.data import read_image, to_input
+
+    torch.manual_seed(0)
+    model = vitkit.create_model("ViT-Ti/8", image_size=32, num_classes=5, hidden_size=32, num_layers=2, mlp_dim=64,
+                                num_heads=2)  # fmt: skip
+    torch.nn.init.normal_(model.head.weight, std=0.3)
+    model.class_names = ["cat", "dog", "fox", "owl", "yak"]
+    vitkit.export(model, tmp_path / "hf", format="hf")
+    Image.fromarray(chelsea()).save(tmp_path / "cat.png")
+
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
+    pixels = processor(Image.open(tmp_path / "cat.png"), return_tensors="pt")["pixel_values"]
+    expected = to_input(read_image(tmp_path / "cat.png"), (32, 32))
+    assert pixels.shape == expected.shape and (pixels - expected).abs().max() < 1 / 127.5
+    theirs = pipeline("image-classification", model=str(tmp_path / "hf"))(str(tmp_path / "cat.png"), top_k=5)
+    ours = dict(vitkit.predict(model, [tmp_path / "cat.png"], k=5)[0])
+    assert {r["label"] for r in theirs} == set(model.class_names)
+    assert max(ours.values()) - min(ours.values()) > 0.05  # the classes are told apart, so the check means something
+    for r in theirs:
+        assert r["score"] == pytest.approx(ours[r["label"]], abs=1e-2), r

@@ -1,4 +1,4 @@
-"""Official ViT and big_vision `.npz` checkpoints against the official JAX outputs in shared/fixtures."""
+"""Official ViT and big_vision `.npz` checkpoints against the official JAX outputs in tests/fixtures."""
 
 import numpy as np
 import pytest
@@ -6,6 +6,7 @@ import torch
 from scipy.ndimage import zoom
 
 import vitkit
+from conftest import tiny
 from vitkit import ResNetConfig, VisionTransformer, ViTConfig
 from vitkit.formats import npz
 
@@ -157,10 +158,33 @@ ROUND_TRIPS = {
 
 @pytest.mark.parametrize("kind", ROUND_TRIPS)
 def test_vitkit_to_npz_to_vitkit_is_bit_exact(tmp_path, kind):
-    base = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=5)
-    config = ViTConfig(**base | dict(act="gelu_tanh") | ROUND_TRIPS[kind])
-    model = VisionTransformer(config).eval()
+    model = tiny(act="gelu_tanh", **ROUND_TRIPS[kind])
     vitkit.export(model, tmp_path / "m.npz", format="npz")
     loaded = vitkit.load_checkpoint(tmp_path / "m.npz")
     assert loaded.config == model.config
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_npz_export_warns_of_what_it_cannot_hold_and_the_cli_says_so(tmp_path, capsys):
+    """Exact GELU and class names have no place in the official layout: they come back as tanh-GELU and None,
+    so the export warns (and `vitkit convert` prints the warning); a tanh-GELU model without names is silent."""
+    import warnings
+
+    from vitkit.cli import main
+
+    base = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=2)
+    model = VisionTransformer(ViTConfig(**base, act="gelu")).eval()
+    model.class_names = ["cat", "dog"]
+    with pytest.warns(UserWarning) as caught:
+        vitkit.export(model, tmp_path / "m.npz", format="npz")
+    text = " ".join(str(w.message) for w in caught)
+    assert "act='gelu'" in text and "tanh-GELU" in text and "the 2 class names" in text
+    back = vitkit.load_checkpoint(tmp_path / "m.npz")
+    assert back.config.act == "gelu_tanh" and back.class_names is None  # what the warning said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vitkit.export(VisionTransformer(ViTConfig(**base, act="gelu_tanh")), tmp_path / "t.npz", format="npz")
+    vitkit.export(model, tmp_path / "m.safetensors")
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "c.npz"), "--to", "npz"]) == 0
+    err = capsys.readouterr().err
+    assert "vitkit convert: warning: npz export" in err and "class names" in err

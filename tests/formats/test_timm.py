@@ -1,5 +1,6 @@
 """timm VisionTransformer state dicts: random timm models saved natively load with identical outputs."""
 
+import json
 from functools import partial
 
 import pytest
@@ -9,6 +10,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
 import vitkit
+from conftest import perturbed
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=1, mlp_ratio=2.0, num_classes=5)
@@ -20,14 +22,6 @@ CASES = {  # name: (timm arguments, file suffix, vitkit load arguments)
     "gap_no_qkv_bias": (dict(class_token=False, global_pool="avg", fc_norm=False, qkv_bias=False), ".safetensors", {}),
     "layer_scale": (dict(init_values=0.1), ".safetensors", {}),
 }
-
-
-def perturbed(model: nn.Module) -> nn.Module:
-    """Move every parameter off its initial value, so a skipped or mis-mapped tensor changes the output."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
 
 
 def save_native(model: nn.Module, path):
@@ -98,3 +92,27 @@ def test_vitkit_to_timm_to_vitkit_is_bit_exact_with_class_names(tmp_path):
     loaded = vitkit.load_checkpoint(tmp_path / "t.safetensors")
     assert loaded.config == model.config and loaded.class_names == model.class_names
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("case", EXPORTS)
+def test_timm_hub_directory_export_builds_in_timm_from_its_config_alone(tmp_path, case):
+    """A suffix-less export path is timm's hub layout: timm reads `config.json` (architecture, model_args,
+    pretrained_cfg) and builds and loads the model with no hand-typed arguments; vitkit reads it back."""
+    import timm
+
+    changes, _ = EXPORTS[case]
+    base = dict(image_size=(32, 48), patch_size=8, hidden_size=64, num_layers=2, num_heads=2, mlp_dim=96,
+                num_classes=3)  # fmt: skip
+    ours = perturbed(VisionTransformer(ViTConfig(**base | changes)))
+    ours.class_names = ["cat", "dog", "emu"]
+    vitkit.export(ours, tmp_path / "hub", format="timm")
+    hub = json.loads((tmp_path / "hub" / "config.json").read_text())
+    assert {"architecture", "num_classes", "pretrained_cfg", "model_args"} <= hub.keys()
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'hub'}", pretrained=True).eval()
+    assert theirs.pretrained_cfg["label_names"] == ours.class_names
+    assert tuple(theirs.pretrained_cfg["input_size"]) == (3, 32, 48) and theirs.pretrained_cfg["mean"] == [0.5] * 3
+    x = torch.randn(2, 3, 32, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x), ours(x), atol=1e-5, rtol=0)
+    back = vitkit.load_checkpoint(tmp_path / "hub")
+    assert back.config == ours.config and back.class_names == ours.class_names

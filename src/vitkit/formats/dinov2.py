@@ -61,7 +61,7 @@ def rules_for(config: ViTConfig) -> list[Rule]:
     return rules + linear("encoder_norm", "layernorm")
 
 
-def infer_config(hf: dict, path: Path, image_size, overrides: dict) -> ViTConfig:
+def infer_config(hf: dict, tensors: Tensors, path: Path, image_size, overrides: dict) -> ViTConfig:
     """Our config from config.json; unsupported variants are refused with the reason."""
     if hf.get("model_type") == "dinov2_with_registers" or hf.get("num_register_tokens"):
         raise ValueError(
@@ -89,7 +89,7 @@ def infer_config(hf: dict, path: Path, image_size, overrides: dict) -> ViTConfig
         layer_norm_eps=hf.get("layer_norm_eps", 1e-6),
         qkv_bias=hf.get("qkv_bias", True),
     )
-    return make_config(inferred, overrides, path)
+    return make_config(inferred, overrides, path, tensors)
 
 
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
@@ -99,8 +99,10 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory}: no config.json, so this is not a Hugging Face model directory.")
     hf = json.loads((directory / "config.json").read_text())
-    config = infer_config(hf, directory, image_size, overrides)
+    if hf.get("model_type") == "dinov2_with_registers" or hf.get("num_register_tokens"):
+        infer_config(hf, {}, directory, image_size, overrides)  # refuses with the reason, before reading weights
     tensors: Tensors = read_weights(directory)
+    config = infer_config(hf, tensors, directory, image_size, overrides)
     if any(k.startswith("dinov2.") for k in tensors):
         raise ValueError(
             f"{directory}: a Dinov2ForImageClassification, whose head reads the class token next to the mean patch "

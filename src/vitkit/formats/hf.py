@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from ..config import ViTConfig
+from ..errors import CheckpointError
 from ..files import atomic_write, read_safetensors, read_torch
 from ..model import VisionTransformer
 from .common import (
@@ -31,6 +33,7 @@ from .common import (
 NAME = "hf"
 ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+PREPROCESSOR = "preprocessor_config.json"
 
 
 def linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
@@ -71,10 +74,20 @@ def read_weights(directory: Path) -> Tensors:
     if (directory / "model.safetensors").is_file():
         return read_safetensors(directory / "model.safetensors")[0]
     if (directory / "model.safetensors.index.json").is_file():
-        shards = sorted(
-            set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())
-        )
-        return {k: v for shard in shards for k, v in read_safetensors(directory / shard)[0].items()}
+        index = directory / "model.safetensors.index.json"
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        outside = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]
+        if outside:
+            raise CheckpointError(index, f"shards must be files of the directory itself, not {outside[0]!r}.")
+        tensors: Tensors = {}
+        for shard in shards:
+            part = read_safetensors(directory / shard)[0]
+            if set(part) & set(tensors):
+                raise CheckpointError(
+                    directory / shard, "holds a tensor another shard holds too.", min(set(part) & set(tensors))
+                )
+            tensors.update(part)
+        return tensors
     if (directory / "pytorch_model.bin").is_file():
         return read_torch(directory / "pytorch_model.bin")
     raise FileNotFoundError(f"{directory}: none of {', '.join(WEIGHTS)} found in this Hugging Face directory.")
@@ -107,7 +120,7 @@ def infer_config(hf: dict, tensors: Tensors, path: Path, overrides: dict) -> ViT
         layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
         qkv_bias=hf.get("qkv_bias", True),
     )
-    return make_config(inferred, overrides, path)
+    return make_config(inferred, overrides, path, tensors)
 
 
 def class_names_of(hf: dict, num_classes: int) -> list[str] | None:
@@ -119,14 +132,16 @@ def class_names_of(hf: dict, num_classes: int) -> list[str] | None:
 
 
 def detect(path: Path) -> bool:
-    """A directory, unless its config.json names another model type than ViT (a DINOv2 directory, say)."""
+    """A directory, unless its config.json names another model type than ViT (a DINOv2 directory, say) or is
+    timm's hub layout (an `architecture` and no `model_type`)."""
     if not path.is_dir():
         return False
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type", "vit")
+        config = json.loads((path / "config.json").read_text())
+        model_type = config.get("model_type", "vit")
     except (OSError, ValueError, AttributeError):
         return True  # no or broken config.json: `load` says what is wrong with the directory
-    return model_type == "vit"
+    return model_type == "vit" and not ("architecture" in config and "model_type" not in config)
 
 
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
@@ -147,7 +162,8 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
-    """A directory that `transformers.ViTForImageClassification.from_pretrained` loads (`ViTModel` if headless)."""
+    """A directory that `transformers.ViTForImageClassification.from_pretrained` loads (`ViTModel` if headless),
+    with the `preprocessor_config.json` that `AutoImageProcessor` and `pipeline("image-classification")` read."""
     config = model.config
     require_learned_posemb(config, NAME)
     unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in
@@ -189,4 +205,28 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2) + "\n"))
+    for name, data in (("config.json", hf), (PREPROCESSOR, preprocessor_config(config))):
+        atomic_write(directory / name, partial(write_json, data=data))
+
+
+def write_json(path: str, data: dict) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def preprocessor_config(config: ViTConfig) -> dict:
+    """vitkit's evaluation preprocessing in the words of transformers' `ViTImageProcessor`: the whole image
+    resized (bilinear) to the model resolution, then x / 127.5 - 1, i.e. (x / 255 - 0.5) / 0.5, to [-1, 1].
+
+    `pipeline("image-classification")` reads every image as RGB, so it serves 3-channel models; a 1-channel
+    model needs its images converted to grayscale by hand before the processor."""
+    return {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": config.image_size[0], "width": config.image_size[1]},
+        "resample": 2,  # PIL's BILINEAR
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5] * config.in_chans,
+        "image_std": [0.5] * config.in_chans,
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +193,7 @@ def infer_config(tensors: Tensors, path: str | os.PathLike, image_size, override
         qkv_bias=f"{block0}/query/bias" in tensors,
         hybrid=hybrid,
     )
-    return make_config(inferred, overrides, path), dict(names=names, big_vision=big_vision)
+    return make_config(inferred, overrides, path, tensors), dict(names=names, big_vision=big_vision)
 
 
 def detect(path: Path) -> bool:
@@ -207,10 +208,29 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     return model_from_rules(config, rules_for(config, **layout), tensors, path, NAME)
 
 
+def not_recorded(model: VisionTransformer) -> list[str]:
+    """What of `model` an `.npz` cannot hold, so that it comes back different: the file is arrays only, and its
+    readers (`vit_jax`, `load`) assume the official tanh-GELU and LayerNorm eps 1e-6."""
+    c, lost = model.config, []
+    if c.act != "gelu_tanh":
+        lost.append(
+            f"act={c.act!r}: the file reads back with the official tanh-GELU, which moves the logits (by 1.2e-3 on "
+            "the main job's model)"
+        )
+    if c.layer_norm_eps != 1e-6:
+        lost.append(f"layer_norm_eps={c.layer_norm_eps:g}: the file reads back with the official 1e-6")
+    if model.class_names is not None:
+        lost.append(f"the {len(model.class_names)} class names: the file reads back with class indices")
+    return lost
+
+
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
-    """Write the released official layout (float32), which `vit_jax` and `load` read. Class names have no place."""
+    """Write the released official layout (float32), which `vit_jax` and `load` read; a warning names what the
+    format cannot hold (`not_recorded`): the weights are exact, the activation and class names are not kept."""
     require_learned_posemb(model.config, NAME)
     arrays = {k: v.float().numpy() for k, v in export_tensors(model, rules_for(model.config), NAME).items()}
+    for lost in not_recorded(model):
+        warnings.warn(f"npz export of {path} does not record {lost}; keep the 'vitkit' file too.", stacklevel=3)
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:

@@ -428,7 +428,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
         act=p.act,
         layer_norm_eps=p.eps,
     )
-    config = make_config(inferred, overrides, path)
+    config = make_config(inferred, overrides, path, p.tensors)
     if p.resize is not None:  # resample as the graph does on every forward pass
         mode = {"cubic": "bicubic", "linear": "bilinear"}.get(p.resize["mode"])
         supported = p.resize["coordinates"] in ("half_pixel", "pytorch_half_pixel")

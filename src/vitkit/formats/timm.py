@@ -32,6 +32,7 @@ from .common import (
 )
 
 NAME = "timm"
+WEIGHTS = "model.safetensors"  # in a hub-layout directory, beside config.json
 _RENAMED = (("embedding.", "patch_embed.proj."), ("posemb.weight", "pos_embed"), ("encoder_norm.", "norm."))
 
 
@@ -81,12 +82,29 @@ def infer_config(tensors: Tensors, path: str | os.PathLike, image_size) -> dict:
 
 
 def detect(path: Path) -> bool:
-    """A state-dict file: `.safetensors` (not vitkit's, which is asked first) or `.pth` / `.pt` / `.bin`."""
+    """A state-dict file: `.safetensors` (not vitkit's, which is asked first) or `.pth` / `.pt` / `.bin`; or a
+    directory in timm's hub layout, whose `config.json` names an `architecture`."""
+    if path.is_dir():
+        return is_hub_dir(path)
     return path.is_file() and path.suffix.lower() in (".safetensors", ".pth", ".pt", ".bin")
 
 
+def is_hub_dir(path: str | os.PathLike) -> bool:
+    """A directory in timm's hub layout: `config.json` naming an `architecture`, beside `model.safetensors`."""
+    config = Path(path) / "config.json"
+    try:
+        return config.is_file() and "architecture" in json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
-    """A timm state dict as a model; the config comes from the tensor shapes (or vitkit's metadata, if present)."""
+    """A timm state dict (or a hub-layout directory) as a model; the config comes from the tensor shapes (or
+    vitkit's metadata, if present)."""
+    if Path(path).is_dir():
+        path = Path(path) / WEIGHTS
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; a timm hub directory keeps its weights in {WEIGHTS}.")
     if Path(path).suffix == ".safetensors":
         tensors, metadata = read_safetensors(path)
     else:
@@ -100,15 +118,70 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
                 f"{path}: a timm state dict does not record the number of heads and hidden_size="
                 f"{inferred['hidden_size']} is not a multiple of 64 (timm's usual head width): pass num_heads=."
             )
-    config = make_config(inferred, overrides, path)
+    config = make_config(inferred, overrides, path, tensors)
     model = model_from_rules(config, rules_for(config), tensors, path, NAME)
     if "class_names" in metadata:
         model.class_names = json.loads(metadata["class_names"])
     return model
 
 
+def model_args(config: ViTConfig) -> dict:
+    """The arguments of timm's `VisionTransformer` that build this model's layout."""
+    square = lambda pair: pair[0] if pair[0] == pair[1] else list(pair)
+    args = dict(
+        img_size=square(config.image_size),
+        patch_size=square(config.patch_size),
+        in_chans=config.in_chans,
+        num_classes=config.num_classes,
+        embed_dim=config.hidden_size,
+        depth=config.num_layers,
+        num_heads=config.num_heads,
+        mlp_ratio=config.mlp_dim / config.hidden_size,
+        qkv_bias=config.qkv_bias,
+    )
+    if config.classifier == "gap":
+        args.update(class_token=False, global_pool="avg", fc_norm=False)
+    if config.layer_scale_init:
+        args["init_values"] = config.layer_scale_init
+    if config.act == "gelu_tanh":
+        args["act_layer"] = "gelu_tanh"
+    return args
+
+
+def hub_config(model: VisionTransformer) -> dict:
+    """timm's hub `config.json`: an `architecture` it knows, `model_args` that reshape it into this model, and
+    the `pretrained_cfg` of vitkit's evaluation preprocessing (bilinear resize of the whole image to [-1, 1])."""
+    c = model.config
+    size = {192: "tiny", 384: "small", 768: "base", 1024: "large", 1280: "huge"}.get(c.hidden_size, "base")
+    pretrained_cfg = {
+        "input_size": [c.in_chans, *c.image_size],
+        "fixed_input_size": True,
+        "interpolation": "bilinear",
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+        "mean": [0.5] * c.in_chans,
+        "std": [0.5] * c.in_chans,
+        "num_classes": c.num_classes,
+        "pool_size": None,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+    }
+    if model.class_names is not None:
+        pretrained_cfg["label_names"] = list(model.class_names)
+    return {
+        "architecture": f"vit_{size}_patch16_224",  # any ViT name serves: model_args set every dimension
+        "num_classes": c.num_classes,
+        "num_features": c.hidden_size,
+        "global_pool": "token" if c.classifier == "token" else "avg",
+        "model_args": model_args(c),
+        "pretrained_cfg": pretrained_cfg,
+    }
+
+
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
-    """A safetensors state dict that timm's `VisionTransformer` with the matching arguments loads strictly.
+    """A safetensors state dict that timm's `VisionTransformer` with the matching arguments (`model_args`)
+    loads strictly; a `path` without a suffix becomes a directory in timm's hub layout, `model.safetensors`
+    with a `config.json` from which `timm.create_model("local-dir:PATH", pretrained=True)` builds the model.
 
     Matching arguments: `img_size`, `patch_size`, `embed_dim`, `depth`, `num_heads`, `mlp_ratio`, `qkv_bias`,
     `num_classes`, `class_token=False, global_pool='avg', fc_norm=False` for gap models, `init_values` with layer
@@ -123,4 +196,11 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     metadata = {"format": "pt", "vitkit_config": json.dumps(model.config.to_dict())}
     if model.class_names is not None:
         metadata["class_names"] = json.dumps(list(model.class_names))
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata))
+    if Path(path).suffix:
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata))
+        return
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata))
+    text = json.dumps(hub_config(model), indent=2) + "\n"
+    atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(text))

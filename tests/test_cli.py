@@ -1,0 +1,201 @@
+"""The everyday command line: help from TrainConfig's field docs, --version, models, refusals (issue 13)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vitkit
+from vitkit.cli import main
+from vitkit.data import DATASETS
+from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """`--threads` sets torch's thread count for the rest of the process: give the next test its own back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_vitkit(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """The real `python -m vitkit` in a subprocess, on this worktree's sources."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "vitkit", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)  # fmt: skip
+
+
+def help_text(command: str, capsys) -> str:
+    """`vitkit COMMAND --help` as one line (argparse wraps at the terminal width: words split at hyphens)."""
+    os.environ["COLUMNS"] = "10000"
+    try:
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+    finally:
+        del os.environ["COLUMNS"]
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.slow
+def test_version_option_prints_the_package_version():
+    done = run_vitkit("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"vitkit {vitkit.__version__}"
+
+
+def test_every_train_option_has_its_field_description_and_the_registries_choices(capsys):
+    text = help_text("train", capsys)
+    for name in ("data", "lr", "model_args", "warmup_fraction", "eval_every"):
+        assert field_help(name)[0] in text, name
+    for registry in (sorted(DATASETS), OPTIMIZERS, SCHEDULES, PRECISIONS, TRAINABLE):
+        assert "|".join(registry) in text
+    assert "default adamw" in text and "default 0.002" in text and "default 6" in text
+
+
+def test_finetune_help_shows_the_finetuning_recipe_defaults_not_trains(capsys):
+    text = help_text("finetune", capsys)
+    assert "default sgd" in text and "default 0.01" in text and "(fractions allowed); default 3 " in text
+    assert "default adamw" not in text and "default 0.002" not in text
+
+
+def test_an_option_outside_its_registry_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--optimizer", "lion"])
+    assert e.value.code == 2 and "invalid choice: 'lion'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_models_lists_every_variant_and_marks_those_a_resolution_does_not_fit():
+    done = run_vitkit("models", "--image-size", "384")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[3:] if line.startswith(("ViT", "R"))}
+    assert set(rows) == set(vitkit.list_models())
+    assert "nearest 378 or 392" in rows["ViT-B/14"] and "86,859,496" in rows["ViT-B/16"]
+
+
+def test_finetune_without_a_checkpoint_is_refused(capsys, tmp_path):
+    assert main(["finetune", "--data", "shapes", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "finetune needs --checkpoint" in err and "vitkit train" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_by_name_the_options_that_would_change_the_run():
+    from vitkit.recipes import resume_changes
+
+    saved = TrainConfig(steps=10)
+    with pytest.raises(ValueError, match=r"lr, optimizer cannot change"):
+        resume_changes(saved, {"epochs": 3, "lr": 5.0, "optimizer": "sgd"})
+    same = resume_changes(saved, {"lr": saved.lr, "log_every": 5})  # repeating a saved value is no change
+    assert same.log_every == 5 and same.steps == 10
+    longer = resume_changes(saved, {"epochs": 3})  # a run that counted steps now counts epochs
+    assert longer.epochs == 3 and longer.steps is None
+
+
+# --- eval, predict, inspect ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gray_model(tmp_path) -> Path:
+    """A tiny untrained 16 px model saved as if trained on grayscale 16 px images of six classes."""
+    model = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=32,
+                                num_heads=2)  # fmt: skip
+    model.class_names = [f"class{i}" for i in range(6)]
+    model.trained_on = {"data": "fashion-mnist", "grayscale": True, "image_size": [16, 16]}
+    vitkit.export(model, tmp_path / "gray.safetensors")
+    return tmp_path / "gray.safetensors"
+
+
+def save_png(path: Path, array) -> Path:
+    from PIL import Image
+
+    Image.fromarray(array).save(path)
+    return path
+
+
+def test_predict_notes_colour_and_far_off_sizes_from_what_the_checkpoint_records(gray_model, tmp_path, capsys):
+    import numpy as np
+    from skimage.data import chelsea  # a 451x300 colour photograph of a cat
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    save_png(photos / "cat.png", chelsea())
+    save_png(photos / "gray16.png", np.full((16, 16), 120, np.uint8))
+    assert vitkit.load_checkpoint(gray_model).trained_on["grayscale"] is True  # recorded in the file
+    assert main(["predict", "--checkpoint", str(gray_model), "--top-k", "2", "--threads", "1", str(photos)]) == 0
+    out = capsys.readouterr().out
+    cat, gray = out.split(str(photos / "gray16.png"))  # the directory's images, sorted
+    assert str(photos / "cat.png") in cat and cat.count("%") == 2
+    assert "colour image, but the model was trained on grayscale images (fashion-mnist)" in cat
+    assert "451x300 px, far from the 16x16 px images" in cat
+    assert "note:" not in gray
+
+
+def test_predict_top_k_zero_and_an_empty_directory_are_clear_errors(gray_model, tmp_path, capsys):
+    image = save_png(tmp_path / "a.png", __import__("numpy").zeros((16, 16), "uint8"))
+    assert main(["predict", "--checkpoint", str(gray_model), "--top-k", "0", str(image)]) == 2
+    assert "k=0: ask for at least the top class" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["predict", "--checkpoint", str(gray_model), str(tmp_path / "empty")]) == 2
+    assert "a directory with no images" in capsys.readouterr().err
+
+
+def test_eval_batch_size_zero_is_a_clear_error(gray_model, capsys):
+    assert main(["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_size=0: evaluate at least one image per batch" in err and "range()" not in err
+
+
+@pytest.mark.slow
+def test_inspect_counts_the_occlusion_passes_before_it_starts_and_stride_cuts_them(gray_model, tmp_path, capsys):
+    from vitkit.analysis import occlusion_windows
+
+    assert main(["inspect", "--checkpoint", str(gray_model), "--samples", "2", "--out", str(tmp_path / "r"),
+                 "--threads", "1"]) == 0  # fmt: skip
+    first = capsys.readouterr().out.splitlines()[0]
+    # 16 px image, 8 px window, default stride 4: 3 x 3 windows; stride 8: 2 x 2.
+    assert len(occlusion_windows((16, 16), 8, 4)) == 9 and len(occlusion_windows((16, 16), 8, 8)) == 4
+    assert first == (
+        "occlusion: 2 image(s) x 9 windows = 18 forward passes (8 px window, --stride 4); --stride 8 takes 8"
+    )
+    assert main(["inspect", "--checkpoint", str(gray_model), "--samples", "1", "--out", str(tmp_path / "s"),
+                 "--stride", "8"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.startswith("occlusion: 1 image(s) x 4 windows = 4 forward passes")
+    page = (tmp_path / "s" / "report.html").read_text()
+    assert "trained on grayscale images</b> (given as three equal channels), so the colours of these filters" in page
+
+
+@pytest.mark.slow
+def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_path):
+    """`eval` run for real: through a pipe (a log) no bar; under a pseudo-terminal a bar saying what it does."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100"]
+    logged = run_vitkit(*args)
+    assert logged.returncode == 0, logged.stderr
+    assert "evaluating" not in logged.stderr and "top-1" in logged.stdout
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stdout and stderr are the terminal, 100 columns wide
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        os.execve(sys.executable, [sys.executable, "-m", "vitkit", *args], env)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.waitpid(pid, 0)
+    assert b"evaluating: 100%" in seen and b"img" in seen
