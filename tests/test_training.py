@@ -178,6 +178,15 @@ def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsy
     assert "fine-tune it first" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_compiled_training_follows_the_eager_run(tmp_path):
+    eager = train(shapes_config(tmp_path / "eager", steps=3))
+    compiled = train(shapes_config(tmp_path / "compiled", steps=3, compile=True))
+    assert eager.step == compiled.step == 3
+    assert_same_weights(weights(tmp_path / "eager"), weights(tmp_path / "compiled"), atol=1e-4)
+    assert json.loads((tmp_path / "compiled" / "config.json").read_text())["train"]["compile"] is True
+
+
 def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_every_sessions_wall_time(
     tmp_path, capsys
 ):

@@ -14,14 +14,15 @@ from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .errors import CheckpointError, ImageError
 from .model import VisionTransformer
+from .optimization import optimize
 from .pretrained import list_pretrained
 from .recipes import TrainConfig
 
 __version__ = "0.2.0.dev0"
 
 # Public names whose modules load on first use: name -> module.
-_LAZY = {"train": "training", "evaluate": "evaluation", "predict": "evaluation"}
-_SUBMODULES = ("analysis", "data", "formats", "report", "training", "evaluation")
+_LAZY = {"train": "training", "evaluate": "evaluation", "predict": "evaluation", "bench": "benchmark"}
+_SUBMODULES = ("analysis", "benchmark", "data", "formats", "optimization", "report", "training", "evaluation")
 
 
 def __getattr__(name: str) -> Any:
@@ -47,6 +48,7 @@ __all__ = [
     "TrainConfig",
     "ViTConfig",
     "VisionTransformer",
+    "bench",
     "count_params",
     "create_model",
     "decode_variant",
@@ -57,6 +59,7 @@ __all__ = [
     "list_pretrained",
     "load_checkpoint",
     "load_pretrained",
+    "optimize",
     "predict",
     "train",
 ]

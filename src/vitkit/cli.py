@@ -13,9 +13,12 @@ from typing import Any
 
 from . import __version__
 from . import config as cfg
+from .benchmark import BENCH_PRECISIONS
+from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
+from .optimization import optimize
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 
@@ -75,7 +78,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
     from .report import dataset_samples, load_images, occlusion_plan, write_report
 
-    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
+    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
     if args.image:
         samples = load_images(args.image, model, strict=args.strict)
     else:
@@ -86,6 +89,37 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}", stride=args.stride, progress=True
     )
     print(f"wrote {path} ({samples.images.shape[0]} image(s))")
+    return 0
+
+
+def _for_inference(model, args: argparse.Namespace):
+    """The model as `vitkit.optimize` makes it (fp32, or bf16 where native), unless --no-optimize."""
+    return optimize(model) if args.optimize else model
+
+
+def _add_optimize_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-optimize", dest="optimize", action="store_false",
+                   help="run the model as loaded, not the copy vitkit.optimize makes")  # fmt: skip
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The paper's Fig. 12 for a variant on this machine: a table, and with --out a JSON file and a plot."""
+    import torch
+
+    from .benchmark import bench, format_bench, write_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = bench(
+        args.model, image_sizes=tuple(args.image_size), batch_sizes=tuple(args.batch_size),
+        precisions=tuple(args.precision), modes=tuple(args.mode), train=args.train, compile=args.compile,
+        rounds=args.rounds, min_seconds=args.min_seconds, memory_budget_gb=args.memory_budget_gb,
+        device=args.device, **args.model_args,
+    )  # fmt: skip
+    print(format_bench(result))
+    if args.out:
+        json_path, png_path = write_bench(result, args.out)
+        print(f"wrote {json_path} and {png_path}")
     return 0
 
 
@@ -132,7 +166,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
-    result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision, progress=True)
+    precision = args.precision
+    if args.optimize:
+        model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
+    result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
     skipped = getattr(dataset, "skipped", None)
@@ -146,7 +183,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from .data import read_image
     from .evaluation import image_files, input_notes, predict
 
-    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
+    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
     files = image_files(args.images)
     results = predict(model, files, args.top_k, progress=True, strict=args.strict)
     for path, top in zip(files, results):
@@ -300,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_execution_options(p)
     _add_reading_options(p)
+    _add_optimize_option(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
@@ -319,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help=field_help("precision")[0])
     _add_execution_options(p)
     _add_reading_options(p)
+    _add_optimize_option(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
@@ -328,7 +367,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
     _add_execution_options(p)
     _add_reading_options(p)
+    _add_optimize_option(p)
     p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("bench", help="images/s, FLOP/s against the machine's matmul rate, memory (paper Fig. 12)")
+    p.add_argument("--model", default="ViT-B/16", help="variant name (default ViT-B/16)")
+    p.add_argument("--model-args", type=_mapping, default={}, metavar="JSON|K=V,...", help="ViTConfig overrides")
+    p.add_argument("--image-size", type=int, nargs="+", default=[224], help="resolutions (default 224)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=BENCH_PRECISIONS)
+    p.add_argument("--mode", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES,
+                   help="plain model(x) and/or the vitkit.optimize copy (default both)")  # fmt: skip
+    p.add_argument("--no-train", dest="train", action="store_false", help="leave out the training step")
+    p.add_argument("--compile", action="store_true", help="also time a torch.compile'd training step")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, the median kept (default 3)")
+    p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timing per cell and round")
+    p.add_argument("--memory-budget-gb", type=float, help="report the largest batch that fits this memory")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

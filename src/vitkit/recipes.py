@@ -102,6 +102,7 @@ class TrainConfig:
     label_smoothing: float = _field(0.0, "label smoothing of the cross-entropy")
     # execution
     precision: str = _field("fp32", "arithmetic: bf16 autocasts matrix products", PRECISIONS)
+    compile: bool = _field(False, "torch.compile the model for training (minutes to compile on a small CPU)")
     device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     threads: int = _field(0, "CPU threads for torch; 0: torch's default (one per core)")
     seed: int = _field(0, "seed of the initialisation, data order and augmentation")

@@ -193,6 +193,8 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     else:
         run.write_json("config.json", run_description(state, learning))
     state.net = data_parallel(model, world)  # after restoring: every process starts from the same weights
+    if config.compile:
+        state.net = torch.compile(state.net)
 
     final: EvalResult | None = None
     bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
