@@ -6,17 +6,10 @@ import torch
 from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
 
 import vitkit
+from conftest import perturbed
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=4, image_size=32, patch_size=4,
             layerscale_value=0.5)  # fmt: skip
-
-
-def perturbed(model: torch.nn.Module) -> torch.nn.Module:
-    """Move every parameter off its initial value (LayerScale and posemb included), so a mis-mapped tensor shows."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
 
 
 @pytest.fixture

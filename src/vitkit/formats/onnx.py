@@ -56,7 +56,10 @@ class Graph:
                 self.producer[name] = node
             for name in node.input:
                 self.consumers[name].append(node)
-        self.input = next(i for i in graph.input if i.name not in self.params)
+        inputs = [i for i in graph.input if i.name not in self.params]
+        if not inputs:
+            raise ValueError("the graph has no input that is not a weight, so no image input")
+        self.input = inputs[0]
         self.taken: set[str] = set()
 
     def param(self, name: str | None) -> torch.Tensor:
