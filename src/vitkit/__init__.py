@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .checkpoints import export, load_checkpoint
+from .checkpoints import export, load_checkpoint, load_pretrained
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .errors import CheckpointError, ImageError
 from .model import VisionTransformer
 from .optimization import optimize
+from .pretrained import list_pretrained
 from .recipes import TrainConfig
 
 __version__ = "0.2.0.dev0"
@@ -32,8 +33,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'vitkit' has no attribute {name!r}")
 
 
-def create_model(name: str, **overrides) -> VisionTransformer:
-    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)`."""
+def create_model(name: str, pretrained: str | None = None, **overrides) -> VisionTransformer:
+    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)`; with
+    `pretrained="imagenet21k"` (a tag of `vitkit pretrained`) its released weights, adapted to the overrides."""
+    if pretrained is not None:
+        return load_pretrained(f"{name}:{pretrained}", **overrides)
     return VisionTransformer(decode_variant(name, **overrides))
 
 
@@ -52,7 +56,9 @@ __all__ = [
     "export",
     "flops",
     "list_models",
+    "list_pretrained",
     "load_checkpoint",
+    "load_pretrained",
     "optimize",
     "predict",
     "train",

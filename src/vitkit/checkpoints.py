@@ -1,5 +1,6 @@
-"""The facade over `vitkit.formats`: `load_checkpoint` reads any format into a ready model, adapted to a new
-task the way the paper fine-tunes (`adapt`), and `export` writes one."""
+"""The facade over `vitkit.formats`: `load_checkpoint` reads any format (or a pretrained name, with
+`load_pretrained`) into a ready model, adapted to a new task the way the paper fine-tunes (`adapt`), and `export`
+writes one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
-from . import formats
+from . import formats, pretrained
 from .config import ViTConfig, check_fields
 from .errors import CheckpointError
 from .model import VisionTransformer
@@ -55,12 +56,16 @@ def load_checkpoint(
     """Load a checkpoint of any supported format into a ready model (eval mode), adapted to `image_size` /
     `num_classes`.
 
-    Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory); "auto"
-    tells them apart (`vitkit.formats.detect_format`). The config is inferred from the file. `overrides`
-    set config fields the file does not record (e.g. `drop_path_rate` for fine-tuning, `num_heads` for timm).
+    Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory), "dinov2"
+    (a Hugging Face Dinov2Model directory), "onnx" (a ViT backbone graph); "auto" tells them apart
+    (`vitkit.formats.detect_format`). `path` may also be a pretrained name (`vitkit pretrained` lists them).
+    The config is inferred from the file. `overrides` set config fields the file does not record (e.g.
+    `drop_path_rate` for fine-tuning, `num_heads` for timm).
     A file that cannot be read as a model raises `vitkit.CheckpointError` naming the file and the key; so do
     NaN or infinite weights, unless `allow_nonfinite` (then a warning names them).
     """
+    if not os.path.exists(path) and pretrained.is_pretrained_name(str(path)):
+        return load_pretrained(str(path), image_size=image_size, num_classes=num_classes, **overrides)
     name = formats.detect_format(path) if format == "auto" else format
     reader = partial(formats.get_format(name).load, image_size=image_size, **overrides)
     check_fields(ViTConfig, overrides)
@@ -79,6 +84,20 @@ def load_checkpoint(
     ):
         raise CheckpointError(path, f"class names must be {model.config.num_classes} strings.", key="class_names")
     return adapt(model, image_size, num_classes)
+
+
+def load_pretrained(
+    name: str,
+    *,
+    image_size: int | tuple[int, int] | None = None,
+    num_classes: int | None = None,
+    download: bool = True,
+    **overrides,
+) -> VisionTransformer:
+    """The model of a pretrained name (`vitkit pretrained` lists them), fetched once into the cache (never, with
+    `download=False`), adapted to `image_size` / `num_classes` as `load_checkpoint` does."""
+    path, arguments = pretrained.fetch(name, download=download)
+    return load_checkpoint(path, image_size=image_size, num_classes=num_classes, **{**arguments, **overrides})
 
 
 def export(model: VisionTransformer, path: str | os.PathLike, format: str = "vitkit") -> None:

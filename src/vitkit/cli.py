@@ -46,6 +46,20 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pretrained(args: argparse.Namespace) -> int:
+    """The table of released weights by name; with --download, fetch names into the cache for offline use."""
+    from . import pretrained
+
+    if not args.download:
+        print(pretrained.format_table())
+        print(f"cache: {pretrained.cache_dir()} ($VITKIT_CACHE); any Hugging Face Hub id 'org/name' works too")
+        return 0
+    for name in args.download:
+        path, _ = pretrained.fetch(name)
+        print(f"{name}: {path}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Load a checkpoint of any format and write it in another."""
     model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
@@ -306,17 +320,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=1000, help="size of the head (default 1000)")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("pretrained", help="table of released weights by name (use a name as --checkpoint)")
+    p.add_argument("--download", nargs="+", metavar="NAME", help="fetch these names into the cache for offline use")
+    p.set_defaults(func=cmd_pretrained)
+
     p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
-    p.add_argument("src", help="checkpoint file, or a Hugging Face model directory")
+    p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
     p.add_argument("dst", help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
                    "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
-    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
+    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf", "dinov2", "onnx"),
+                   help="input format")  # fmt: skip
     _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
-    p.add_argument("--checkpoint", required=True, help="model file (any format vitkit.load_checkpoint reads)")
+    p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
     datasets = field_help("data")[1] or ()
@@ -342,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
-    p.add_argument("--checkpoint", required=True, help="model file (vitkit safetensors or any load_checkpoint format)")
+    p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
                    help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
@@ -365,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_pack)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
-    p.add_argument("--checkpoint", required=True, help="model file with class names (as `vitkit train` saves)")
+    p.add_argument("--checkpoint", required=True,
+                   help="model file with class names (as `vitkit train` saves), or pretrained name")  # fmt: skip
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
     _add_execution_options(p)
@@ -401,7 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+    except (
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+        NotADirectoryError,
+        IsADirectoryError,
+        ConnectionError,
+    ) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (OSError, WorkerError, NonFiniteError) as e:

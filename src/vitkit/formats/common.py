@@ -200,3 +200,20 @@ def check_plausible(config: ViTConfig, tensors: Tensors, path: str | os.PathLike
         )  # fmt: skip
     if config.num_tokens * d > max(held, 2**26):
         raise CheckpointError(path, f"image_size={config.image_size} gives {config.num_tokens:,} tokens: refused.")
+
+
+def interpolated_posemb(
+    table: torch.Tensor, num_prefix: int, grid: tuple[int, int], mode: str = "bicubic", antialias: bool = False
+) -> torch.Tensor:
+    """A (1, prefix + h*w, D) posemb table with its square patch grid resampled to `grid` the way DINOv2-style
+    models do it on every forward pass: `F.interpolate(size=grid, align_corners=False)` in float32 ("bicubic",
+    no antialiasing, in Hugging Face's Dinov2). Same-size resampling is the identity."""
+    prefix, patches = table[:, :num_prefix], table[:, num_prefix:]
+    side = math.isqrt(patches.shape[1])
+    if side * side != patches.shape[1]:
+        raise ValueError(f"the position embedding has {patches.shape[1]} patch rows, which is not a square grid.")
+    if (side, side) == tuple(grid):
+        return table
+    x = patches.reshape(1, side, side, -1).permute(0, 3, 1, 2).float()
+    x = torch.nn.functional.interpolate(x, size=tuple(grid), mode=mode, align_corners=False, antialias=antialias)
+    return torch.cat([prefix, x.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1).to(table.dtype)], dim=1)
