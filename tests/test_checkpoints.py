@@ -145,6 +145,8 @@ def test_convert_cli_turns_official_npz_into_each_format(tmp_path, fixtures_dir,
 
 def test_npz_arrays_of_object_dtype_are_refused(tmp_path):
     np.savez(tmp_path / "obj.npz", embedding=np.array([{"a": 1}], dtype=object))
-    with pytest.raises(ValueError, match=r"obj\.npz: holds object arrays \(pickled Python objects\)") as e:
+    with pytest.raises(
+        ValueError, match=r"obj\.npz \[embedding\]: holds object arrays \(pickled Python objects\)"
+    ) as e:
         vitkit.load_checkpoint(tmp_path / "obj.npz")
     assert "allow_pickle" not in str(e.value)  # no advice to unpickle

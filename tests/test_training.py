@@ -5,22 +5,20 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import vitkit
+from conftest import SMALL_ENCODER as TINY
+from conftest import SRC, assert_same_weights
+from conftest import run_weights as weights
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.model import resample_grid
 from vitkit.recipes import TrainConfig
 from vitkit.runs import read_checkpoint, read_metrics
 from vitkit.training import initial_model, train
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-TINY = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}
 
 
 def shapes_config(out_dir, **overrides) -> TrainConfig:
@@ -31,19 +29,6 @@ def shapes_config(out_dir, **overrides) -> TrainConfig:
         batch_size=8, steps=10, eval_every=0, log_every=1, crop_scale=(0.3, 1.0), out_dir=str(out_dir), threads=1,
     )  # fmt: skip
     return TrainConfig(**{**spec, **overrides})
-
-
-def weights(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(run_dir) / "model.safetensors"))
-
-
-def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if atol == 0.0:
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert torch.allclose(a[k], b[k], rtol=0, atol=atol), (k, (a[k] - b[k]).abs().max())
 
 
 @pytest.mark.slow
@@ -176,6 +161,15 @@ def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsy
     assert len(lines) == 3 and all(line.count("%") == 2 for line in lines)
     assert main(["eval", "--checkpoint", model_path, "--data", "shapes"]) == 2  # 10 classes vs 6: a clear error
     assert "fine-tune it first" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compiled_training_follows_the_eager_run(tmp_path):
+    eager = train(shapes_config(tmp_path / "eager", steps=3))
+    compiled = train(shapes_config(tmp_path / "compiled", steps=3, compile=True))
+    assert eager.step == compiled.step == 3
+    assert_same_weights(weights(tmp_path / "eager"), weights(tmp_path / "compiled"), atol=1e-4)
+    assert json.loads((tmp_path / "compiled" / "config.json").read_text())["train"]["compile"] is True
 
 
 def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_every_sessions_wall_time(

@@ -10,10 +10,13 @@ import importlib
 from typing import Any
 
 from .architectures import create_model
-from .checkpoints import export, load_checkpoint
+from .checkpoints import export, load_checkpoint, load_pretrained
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
+from .errors import CheckpointError, ImageError
 from .model import VisionTransformer
+from .optimization import optimize
+from .pretrained import list_pretrained
 from .recipes import TrainConfig
 
 __version__ = "0.2.0.dev0"
@@ -25,8 +28,10 @@ _LAZY = {
     "predict": "evaluation",
     "fewshot": "evaluation",
     "experiment": "experiments",
+    "bench": "benchmark",
 }
-_SUBMODULES = ("analysis", "data", "experiments", "formats", "report", "training", "evaluation")
+_SUBMODULES = ("analysis", "benchmark", "data", "experiments", "formats", "optimization", "report", "training",
+               "evaluation")  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -38,10 +43,13 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointError",
+    "ImageError",
     "ResNetConfig",
     "TrainConfig",
     "ViTConfig",
     "VisionTransformer",
+    "bench",
     "count_params",
     "create_model",
     "decode_variant",
@@ -51,7 +59,10 @@ __all__ = [
     "fewshot",
     "flops",
     "list_models",
+    "list_pretrained",
     "load_checkpoint",
+    "load_pretrained",
+    "optimize",
     "predict",
     "train",
 ]

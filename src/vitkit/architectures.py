@@ -13,9 +13,14 @@ Model = VisionTransformer | ResNetClassifier
 ModelConfig = ViTConfig | BiTConfig
 
 
-def create_model(name: str, **overrides: Any) -> Model:
+def create_model(name: str, pretrained: str | None = None, **overrides: Any) -> Model:
     """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)` or the
-    baseline `create_model("BiT-R26", num_classes=10, image_size=28)`."""
+    baseline `create_model("BiT-R26", num_classes=10, image_size=28)`; with `pretrained="imagenet21k"` (a tag of
+    `vitkit pretrained`) its released weights, adapted to the overrides."""
+    if pretrained is not None:
+        from .checkpoints import load_pretrained  # the facade sits above this module
+
+        return load_pretrained(f"{name}:{pretrained}", **overrides)
     if is_bit_name(name):
         return ResNetClassifier(decode_bit(name, **overrides))
     return VisionTransformer(decode_variant(name, **overrides))

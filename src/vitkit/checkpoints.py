@@ -1,13 +1,33 @@
-"""The facade over `vitkit.formats`: `load_checkpoint` reads any format into a ready model, adapted to a new
-task the way the paper fine-tunes (`adapt`), and `export` writes one."""
+"""The facade over `vitkit.formats`: `load_checkpoint` reads any format (or a pretrained name, with
+`load_pretrained`) into a ready model, adapted to a new task the way the paper fine-tunes (`adapt`), and `export`
+writes one."""
 
 from __future__ import annotations
 
 import os
+import warnings
+from functools import partial
+from pathlib import Path
 
-from . import formats
+from . import formats, pretrained
 from .architectures import Model
+from .config import ViTConfig, check_fields
+from .errors import CheckpointError
 from .model import VisionTransformer
+
+
+def check_finite(model: VisionTransformer, path: str | os.PathLike, allow_nonfinite: bool = False) -> None:
+    """Name the tensors holding NaN or infinity: a CheckpointError, or with `allow_nonfinite` a warning."""
+    bad = [(name, int((~t.isfinite()).sum())) for name, t in model.state_dict().items() if not t.isfinite().all()]
+    if not bad:
+        return
+    names = ", ".join(f"{name} ({n:,} values)" for name, n in bad[:12])
+    names += f", ... ({len(bad)} tensors in all)" if len(bad) > 12 else ""
+    message = f"non-finite weights (NaN or infinity) in {names}: the model would predict NaN."
+    if not allow_nonfinite:
+        raise CheckpointError(path, message + " Pass allow_nonfinite=True (--allow-nonfinite) to load it anyway.",
+                              key=bad[0][0])  # fmt: skip
+    warnings.warn(f"{path}: {message}", stacklevel=3)
 
 
 def adapt(
@@ -31,18 +51,54 @@ def load_checkpoint(
     format: str = "auto",
     image_size: int | tuple[int, int] | None = None,
     num_classes: int | None = None,
+    allow_nonfinite: bool = False,
     **overrides,
 ) -> Model:
     """Load a checkpoint of any supported format into a ready model (eval mode), adapted to `image_size` /
     `num_classes`.
 
-    Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory); "auto"
-    tells them apart (`vitkit.formats.detect_format`). The config is inferred from the file. `overrides`
-    set config fields the file does not record (e.g. `drop_path_rate` for fine-tuning, `num_heads` for timm).
+    Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory), "dinov2"
+    (a Hugging Face Dinov2Model directory), "onnx" (a ViT backbone graph); "auto" tells them apart
+    (`vitkit.formats.detect_format`). `path` may also be a pretrained name (`vitkit pretrained` lists them).
+    The config is inferred from the file. `overrides` set config fields the file does not record (e.g.
+    `drop_path_rate` for fine-tuning, `num_heads` for timm).
+    A file that cannot be read as a model raises `vitkit.CheckpointError` naming the file and the key; so do
+    NaN or infinite weights, unless `allow_nonfinite` (then a warning names them).
     """
+    if not os.path.exists(path) and pretrained.is_pretrained_name(str(path)):
+        return load_pretrained(str(path), image_size=image_size, num_classes=num_classes, **overrides)
     name = formats.detect_format(path) if format == "auto" else format
-    model = formats.get_format(name).load(path, image_size=image_size, **overrides)
+    reader = partial(formats.get_format(name).load, image_size=image_size, **overrides)
+    check_fields(ViTConfig, overrides)
+    try:
+        model = reader(path)
+    except (CheckpointError, FileNotFoundError):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
+        # Whatever a reader trips over in a malformed file is the file's fault: say so, with vitkit's error type.
+        message = str(e).removeprefix(f"{path}: ") or type(e).__name__
+        raise CheckpointError(path, message) from e
+    check_finite(model, path, allow_nonfinite)
+    names = model.class_names
+    if names is not None and not (
+        isinstance(names, list) and len(names) == model.config.num_classes and all(isinstance(n, str) for n in names)
+    ):
+        raise CheckpointError(path, f"class names must be {model.config.num_classes} strings.", key="class_names")
     return adapt(model, image_size, num_classes)
+
+
+def load_pretrained(
+    name: str,
+    *,
+    image_size: int | tuple[int, int] | None = None,
+    num_classes: int | None = None,
+    download: bool = True,
+    **overrides,
+) -> Model:
+    """The model of a pretrained name (`vitkit pretrained` lists them), fetched once into the cache (never, with
+    `download=False`), adapted to `image_size` / `num_classes` as `load_checkpoint` does."""
+    path, arguments = pretrained.fetch(name, download=download)
+    return load_checkpoint(path, image_size=image_size, num_classes=num_classes, **{**arguments, **overrides})
 
 
 def export(model: Model, path: str | os.PathLike, format: str = "vitkit") -> None:
@@ -52,4 +108,10 @@ def export(model: Model, path: str | os.PathLike, format: str = "vitkit") -> Non
     if not isinstance(model, VisionTransformer) and format != "vitkit":
         raise ValueError(f"format={format!r} holds Vision Transformers only: export a {type(model).__name__} with "
                          "format='vitkit'.")  # fmt: skip
-    formats.get_format(format).export(model, path)
+    module = formats.get_format(format)
+    path = Path(path)
+    if format == "hf" and path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file, and the Hugging Face format is a directory: give a new path.")
+    if format != "hf" and path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, and the {format} format is one file: give a file path.")
+    module.export(model, path)

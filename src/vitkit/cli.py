@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import re
 import sys
 import warnings
 from typing import Any
 
 from . import __version__
 from . import config as cfg
+from .benchmark import BENCH_PRECISIONS
+from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
+from .errors import NonFiniteError, WorkerError
 from .model import VisionTransformer
+from .optimization import optimize
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 
@@ -41,9 +47,23 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pretrained(args: argparse.Namespace) -> int:
+    """The table of released weights by name; with --download, fetch names into the cache for offline use."""
+    from . import pretrained
+
+    if not args.download:
+        print(pretrained.format_table())
+        print(f"cache: {pretrained.cache_dir()} ($VITKIT_CACHE); any Hugging Face Hub id 'org/name' works too")
+        return 0
+    for name in args.download:
+        path, _ = pretrained.fetch(name)
+        print(f"{name}: {path}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Load a checkpoint of any format and write it in another."""
-    model = load_checkpoint(args.src, format=args.format)
+    model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         export(model, args.dst, format=args.to)
@@ -63,11 +83,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
     from .report import dataset_samples, load_images, occlusion_plan, write_report
 
-    model = _placed(load_checkpoint(args.checkpoint), args)
+    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"{args.checkpoint} holds a {type(model).__name__}: the analysis figures are a ViT's.")
     if args.image:
-        samples = load_images(args.image, model)
+        samples = load_images(args.image, model, strict=args.strict)
     else:
         samples = dataset_samples(args.data, args.samples, model, split=args.split)
     samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
@@ -76,6 +96,50 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}", stride=args.stride, progress=True
     )
     print(f"wrote {path} ({samples.images.shape[0]} image(s))")
+    return 0
+
+
+def cmd_data_pack(args: argparse.Namespace) -> int:
+    """Pack an image folder into Parquet shards for streaming (datasets larger than memory)."""
+    from .shards import pack_image_folder
+
+    index = pack_image_folder(
+        args.root, args.out, samples_per_shard=args.samples_per_shard, val_fraction=args.val_fraction, seed=args.seed
+    )
+    for split, shards in index["splits"].items():
+        print(f"{split}: {sum(s['count'] for s in shards)} images in {len(shards)} shards")
+    print(f"wrote {args.out}/index.json ({len(index['classes'])} classes); use: --data shards --data-dir {args.out}")
+    return 0
+
+
+def _for_inference(model, args: argparse.Namespace):
+    """The model as `vitkit.optimize` makes it (fp32, or bf16 where native), unless --no-optimize."""
+    return optimize(model) if args.optimize else model
+
+
+def _add_optimize_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-optimize", dest="optimize", action="store_false",
+                   help="run the model as loaded, not the copy vitkit.optimize makes")  # fmt: skip
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The paper's Fig. 12 for a variant on this machine: a table, and with --out a JSON file and a plot."""
+    import torch
+
+    from .benchmark import bench, format_bench, write_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = bench(
+        args.model, image_sizes=tuple(args.image_size), batch_sizes=tuple(args.batch_size),
+        precisions=tuple(args.precision), modes=tuple(args.mode), train=args.train, compile=args.compile,
+        rounds=args.rounds, min_seconds=args.min_seconds, memory_budget_gb=args.memory_budget_gb,
+        device=args.device, **args.model_args,
+    )  # fmt: skip
+    print(format_bench(result))
+    if args.out:
+        json_path, png_path = write_bench(result, args.out)
+        print(f"wrote {json_path} and {png_path}")
     return 0
 
 
@@ -115,9 +179,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import get_dataset
     from .evaluation import evaluate, fewshot, format_eval
 
-    model = _placed(load_checkpoint(args.checkpoint), args)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
-    dataset = get_dataset(args.data, args.split, **kwargs)
+    dataset = get_dataset(args.data, args.split, strict=args.strict, **kwargs)
     if args.fewshot:
         shots = _shots(args.fewshot)
         few = fewshot(model, get_dataset(args.data, "train", **kwargs), dataset, shots, args.draws, args.l2, args.seed)
@@ -131,9 +195,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
-    result = evaluate(model, dataset, batch_size=args.batch_size, precision=args.precision, progress=True)
+    precision = args.precision
+    if args.optimize:
+        model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
+    result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
+    skipped = getattr(dataset, "skipped", None)
+    if skipped:
+        print(skipped.summary())
     return 0
 
 
@@ -158,12 +228,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from .data import read_image
     from .evaluation import image_files, input_notes, predict
 
-    model = _placed(load_checkpoint(args.checkpoint), args)
+    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
     files = image_files(args.images)
-    for path, top in zip(files, predict(model, files, args.top_k, progress=True)):
+    results = predict(model, files, args.top_k, progress=True, strict=args.strict)
+    for path, top in zip(files, results):
+        if top is None:  # unreadable: warned about, counted below
+            continue
         print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
         for note in input_notes(model, read_image(path)):
             print(f"  note: {note}")
+    skipped = sum(top is None for top in results)
+    if skipped:
+        print(f"{skipped} unreadable image file(s) skipped")
     return 0
 
 
@@ -226,7 +302,7 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
         if kind in (dict, dict | None):
             p.add_argument(*flags, type=_mapping, metavar="K=V,...", **common)
         elif kind in (bool, bool | None):
-            p.add_argument(*flags, type=_boolean, metavar="true|false", **common)
+            p.add_argument(*flags, type=_boolean, nargs="?", const=True, metavar="true|false", **common)
         elif kind in (tuple[float, float], tuple[float, float] | None, tuple[int, int] | None):
             number = int if kind == tuple[int, int] | None else float
             p.add_argument(*flags, type=number, nargs=2, metavar=("A", "B"), **common)
@@ -264,8 +340,26 @@ def _boolean(text: str) -> bool:
     return text.lower() in ("true", "1", "yes")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one `--help` away), exit status 2."""
+
+    def error(self, message: str):
+        choice = re.search(r"invalid choice: '?([^']*?)'? \(choose from (.*)\)", message)
+        if choice:  # argparse lists the allowed values; add the closest one
+            allowed = [c.strip().strip("'") for c in choice.group(2).split(",")]
+            close = difflib.get_close_matches(choice.group(1), allowed, n=1, cutoff=0.5)
+            message += f"; did you mean {close[0]!r}?" if close else ""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_reading_options(p: argparse.ArgumentParser, images: bool = True) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint with NaN/Inf weights (warns)")
+    if images:
+        p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: skip it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    parser = _Parser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
     parser.add_argument("--version", action="version", version=f"vitkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -274,16 +368,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=1000, help="size of the head (default 1000)")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("pretrained", help="table of released weights by name (use a name as --checkpoint)")
+    p.add_argument("--download", nargs="+", metavar="NAME", help="fetch these names into the cache for offline use")
+    p.set_defaults(func=cmd_pretrained)
+
     p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
-    p.add_argument("src", help="checkpoint file, or a Hugging Face model directory")
+    p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
     p.add_argument("dst", help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
                    "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
     p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
-    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf"), help="input format")
+    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf", "dinov2", "onnx"),
+                   help="input format")  # fmt: skip
+    _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
-    p.add_argument("--checkpoint", required=True, help="model file (any format vitkit.load_checkpoint reads)")
+    p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
     datasets = field_help("data")[1] or ()
@@ -297,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the forward passes, which the command counts before it starts",
     )  # fmt: skip
     _add_execution_options(p)
+    _add_reading_options(p)
+    _add_optimize_option(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
@@ -307,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
-    p.add_argument("--checkpoint", required=True, help="model file (vitkit safetensors or any load_checkpoint format)")
+    p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
                    help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
@@ -319,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draws", type=int, default=5, help="random draws of the shots to average (default 5)")
     p.add_argument("--l2", type=float, default=1.0, help="ridge regularisation of the few-shot fit (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the few-shot draws (default 0)")
+    _add_reading_options(p)
+    _add_optimize_option(p)
     p.set_defaults(func=cmd_eval)
 
     from .experiments import EXPERIMENTS, PRESETS, PRETRAINED
@@ -334,19 +438,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
     p.set_defaults(func=cmd_experiment)
 
+    p = sub.add_parser("data", help="prepare datasets: `vitkit data pack ROOT OUT` writes Parquet shards")
+    data = p.add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("pack", help="write an image folder's train and test splits as Parquet shards")
+    p.add_argument("root", help="image folder: ROOT/<class>/<image>, or ROOT/train and ROOT/val (or test)")
+    p.add_argument("out", help="output directory (then: vitkit train --data shards --data-dir OUT)")
+    p.add_argument("--samples-per-shard", type=int, default=1000, help="about this many images per shard")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="held out for test without ROOT/val (0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the order the samples are written in")
+    p.set_defaults(func=cmd_data_pack)
+
     p = sub.add_parser("predict", help="top-k classes of image files")
-    p.add_argument("--checkpoint", required=True, help="model file with class names (as `vitkit train` saves)")
+    p.add_argument("--checkpoint", required=True,
+                   help="model file with class names (as `vitkit train` saves), or pretrained name")  # fmt: skip
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
     _add_execution_options(p)
+    _add_reading_options(p)
+    _add_optimize_option(p)
     p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("bench", help="images/s, FLOP/s against the machine's matmul rate, memory (paper Fig. 12)")
+    p.add_argument("--model", default="ViT-B/16", help="variant name (default ViT-B/16)")
+    p.add_argument("--model-args", type=_mapping, default={}, metavar="JSON|K=V,...", help="ViTConfig overrides")
+    p.add_argument("--image-size", type=int, nargs="+", default=[224], help="resolutions (default 224)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=BENCH_PRECISIONS)
+    p.add_argument("--mode", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES,
+                   help="plain model(x) and/or the vitkit.optimize copy (default both)")  # fmt: skip
+    p.add_argument("--no-train", dest="train", action="store_false", help="leave out the training step")
+    p.add_argument("--compile", action="store_true", help="also time a torch.compile'd training step")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, the median kept (default 3)")
+    p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timing per cell and round")
+    p.add_argument("--memory-budget-gb", type=float, help="report the largest batch that fits this memory")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a value, a file): one line and exit status 2; a failure of the machine (a full disk, a dead
+    data worker): one line and exit status 1. Warnings (a skipped image, say) are one line each."""
     args = build_parser().parse_args(argv)
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+        NotADirectoryError,
+        IsADirectoryError,
+        ConnectionError,
+    ) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, WorkerError, NonFiniteError) as e:
+        print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        warnings.formatwarning = formatwarning

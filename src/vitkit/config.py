@@ -50,6 +50,22 @@ def check_fields(cls: type, names: Iterable[str]) -> None:
         raise ValueError(f"unknown {cls.__name__} field(s) {', '.join(named)}; valid fields: {', '.join(valid)}.")
 
 
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+
+
+def check_type(name: str, value: Any, annotation: object) -> None:
+    """A field's value against its annotation ("int", "float | None", ...): a ValueError naming both if it does not
+    fit, so that `hidden_size='abc'` is reported as such, not as a failed comparison deep inside."""
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    if value is None and "None" in kinds:
+        return
+    if not all(k in _TYPES or k == "None" for k in kinds):  # pairs, nested configs: checked by their own validation
+        return
+    wanted = tuple(t for k in kinds if k in _TYPES for t in _TYPES[k])
+    if isinstance(value, bool) and bool not in wanted or not isinstance(value, wanted):
+        raise ValueError(f"{name}={value!r} (a {type(value).__name__}) must be of type {annotation}.")
+
+
 def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is unknown: choose one of {', '.join(map(repr, allowed))}.")
@@ -118,6 +134,8 @@ class ViTConfig:
                 stem["units"] = stem.pop("num_layers")
             check_fields(ResNetConfig, stem)
             object.__setattr__(self, "hybrid", ResNetConfig(**stem))
+        for f in dataclasses.fields(self):
+            check_type(f.name, getattr(self, f.name), f.type)
         _choice(self.classifier, CLASSIFIERS, "classifier")
         _choice(self.posemb, POSEMBS, "posemb")
         _choice(self.act, ACTS, "act")
@@ -145,9 +163,10 @@ class ViTConfig:
         stride = self.patch_stride
         for side, size, step in zip(("height", "width"), self.image_size, stride):
             if size % step:
+                valid = sorted({max(step, size // step * step), size // step * step + step})
                 raise ValueError(
                     f"image {side} {size} is not divisible by the patch stride {step} px: "
-                    f"use an image size that is a multiple of {step} (e.g. {max(step, size // step * step)})."
+                    f"use a multiple of {step}, e.g. {' or '.join(map(str, valid))}."
                 )
 
     @property
@@ -182,6 +201,15 @@ class ViTConfig:
     def from_dict(cls, data: dict[str, Any]) -> ViTConfig:
         check_fields(cls, data)
         return cls(**data)
+
+
+def config_difference(ours: ViTConfig, theirs: ViTConfig) -> str:
+    """The fields in which two configs differ, as 'name ours != theirs' (empty when they agree)."""
+    return ", ".join(
+        f"{f.name} {getattr(ours, f.name)!r} != {getattr(theirs, f.name)!r}"
+        for f in dataclasses.fields(ViTConfig)
+        if getattr(ours, f.name) != getattr(theirs, f.name)
+    )
 
 
 _NAME = re.compile(r"^(?:(R\d+)\+)?ViT-(Ti|S|B|L|H)/(\d+)$", re.IGNORECASE)

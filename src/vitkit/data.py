@@ -7,6 +7,7 @@ also says how it should be augmented for training (`crop_scale`, `flip`), see `v
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import importlib.util
 import io
@@ -16,12 +17,15 @@ import pickle
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
+
+from .errors import ImageError
+from .images import SUFFIXES, SkipLog, check_image, read_image
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond")
 
@@ -347,23 +351,7 @@ class CIFAR(ImageArrayDataset):
 
 # --- Image folder ----------------------------------------------------------------------------------------------
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-
-
-def read_image(path: str | os.PathLike, mode: str = "RGB") -> torch.Tensor:
-    """Any image file PIL reads -> uint8 tensor (C, H, W) in `mode` ("RGB": palette, gray and alpha modes become
-    RGB; "L": grayscale, C = 1)."""
-    from PIL import Image
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{path}: no such image file.")
-    try:
-        with Image.open(path) as im:
-            array = np.asarray(im.convert(mode), dtype=np.uint8)
-    except OSError as e:
-        raise ValueError(f"{path}: not an image PIL can read ({e}). Use a PNG or JPEG file.") from e
-    array = array[..., None] if array.ndim == 2 else array
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+IMAGE_SUFFIXES = SUFFIXES
 
 
 class ImageFolder(Dataset):
@@ -373,8 +361,15 @@ class ImageFolder(Dataset):
 
     crop_scale, flip = (0.05, 1.0), True
 
-    def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None, val_fraction: float = 0.1):
+    def __init__(
+        self,
+        split: str = "train",
+        data_dir: str | os.PathLike | None = None,
+        val_fraction: float = 0.1,
+        strict: bool = False,
+    ):
         _check_split(split)
+        self.strict, self.skipped = strict, SkipLog()
         if data_dir is None or not Path(data_dir).is_dir():
             raise FileNotFoundError(f"imagefolder: data_dir={data_dir!r} is not a directory: pass --data-dir ROOT.")
         root = Path(data_dir)
@@ -395,16 +390,36 @@ class ImageFolder(Dataset):
                 n_test = min(max(int(round(val_fraction * len(files))), 1), len(files) - 1) if len(files) > 1 else 0
                 keep = order[n_test:] if split == "train" else order[:n_test]
                 files = [files[i] for i in sorted(keep)]
-            self.samples += [(f, label) for f in files]
+            self.samples += [(f, label) for f in files if self._usable(f)]
         if not self.samples:
             raise FileNotFoundError(f"imagefolder: no images with suffixes {IMAGE_SUFFIXES} under {base} ({split}).")
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def _usable(self, path: Path) -> bool:
+        """The header checks of every file, at once: empty, non-image and oversized files are left out (or, when
+        strict, the first one is an error)."""
+        try:
+            check_image(path)
+        except ImageError as e:
+            if self.strict:
+                raise
+            self.skipped.add(e)
+            return False
+        return True
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        """The image and its label; a file that fails to decode (truncated, say) gives its ImageError instead of
+        the image (hence `Any`), which the batching drops and logs (`vitkit.evaluation.batches`), or raises when
+        strict."""
         path, label = self.samples[index]
-        return read_image(path), label
+        try:
+            return read_image(path), label
+        except ImageError as e:
+            if self.strict:
+                raise
+            return e, label
 
 
 class LabelledDataset(Protocol):
@@ -425,7 +440,14 @@ DATASETS: dict[str, Callable[..., LabelledDataset]] = {
     "cifar100": lambda split="train", **kw: CIFAR(split, num_classes=100, **kw),
     "imagefolder": ImageFolder,
     "shapes": ShapesDataset,
+    "shards": lambda split="train", **kw: _sharded(split, **kw),
 }
+
+
+def _sharded(split: str, **kwargs: Any) -> LabelledDataset:
+    from .shards import ShardedDataset  # shards.py builds on this module
+
+    return ShardedDataset(split, **kwargs)
 
 
 def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:
@@ -436,7 +458,10 @@ def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:
     if isinstance(dataset, ImageArrayDataset):
         images = dataset.images[:probe]
     else:
-        images = [dataset[i][0] for i in range(min(probe, len(dataset)))]
+        probed = [dataset[i][0] for i in range(min(probe, len(dataset)))]
+        images = [im for im in probed if isinstance(im, torch.Tensor)]  # not the files that failed to decode
+    if not len(images):
+        return {"data": name, "grayscale": False, "image_size": None}
     gray = all(im.shape[0] == 1 or bool((im == im[:1]).all()) for im in images)
     sizes = sorted(tuple(im.shape[-2:]) for im in images)
     return {"data": name, "grayscale": gray, "image_size": list(sizes[len(sizes) // 2])}
@@ -463,8 +488,13 @@ def subset(dataset: LabelledDataset, size: int, seed: int = 0) -> ImageArrayData
     return out
 
 
-def get_dataset(name: str, split: str = "train", **kwargs) -> LabelledDataset:
-    """A named dataset's split; samples are (uint8 image (C, H, W), label) and `.classes` names the labels."""
+def get_dataset(name: str, split: str = "train", strict: bool = False, **kwargs) -> LabelledDataset:
+    """A named dataset's split; samples are (uint8 image (C, H, W), label) and `.classes` names the labels.
+    `strict`: an unreadable image file is an error (datasets of image files; otherwise it is skipped)."""
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(sorted(DATASETS))}.")
+        close = difflib.get_close_matches(name, list(DATASETS), n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown dataset {name!r}:{hint} choose one of {', '.join(sorted(DATASETS))}.")
+    if strict and name == "imagefolder":
+        kwargs["strict"] = True
     return DATASETS[name](split=split, **kwargs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ from tqdm import tqdm
 
 from .architectures import Model
 from .augment import eval_batch
-from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset, read_image
-from .distributed import World, all_reduce_sum
+from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset
+from .distributed import World, all_reduce_sum, is_sharded
+from .errors import ImageError, WorkerError
+from .images import SkipLog, read_image
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: int = 0):
     """Yield (uint8 images, labels) for each list of indices. In-memory splits are sliced directly; others are
-    decoded by a DataLoader (with `workers` processes), images of different sizes then come as a list."""
+    decoded by a DataLoader (with `workers` processes), images of different sizes then come as a list. Samples
+    whose file failed to decode are dropped from their batch and logged in `dataset.skipped` (one warning each);
+    a worker that dies is reported as an error, never waited on."""
     if isinstance(dataset, ImageArrayDataset):
         for idx in index_batches:
             index = torch.as_tensor(idx, dtype=torch.long)
@@ -71,14 +76,29 @@ def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: i
         collate_fn=_collate,
         generator=torch.Generator(),
     )
-    yield from loader
+    skipped = getattr(dataset, "skipped", None)
+    if skipped is None:
+        skipped = SkipLog()
+    try:
+        for images, labels, failed in loader:
+            for error in failed:
+                skipped.add(error)
+            yield images, labels
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        raise WorkerError(
+            f"a data-loading worker process died ({e}). If memory ran out, lower --workers; --workers 0 decodes "
+            "in the main process, where an error names its file."
+        ) from e
 
 
-def _collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
-    images = [s[0] for s in samples]
-    labels = torch.tensor([s[1] for s in samples], dtype=torch.long)
-    same = all(im.shape == images[0].shape for im in images)
-    return (torch.stack(images) if same else images), labels
+def _collate(samples: list[tuple[torch.Tensor | ImageError, int]]):
+    images = [s[0] for s in samples if isinstance(s[0], torch.Tensor)]
+    labels = torch.tensor([s[1] for s in samples if isinstance(s[0], torch.Tensor)], dtype=torch.long)
+    same = bool(images) and all(im.shape == images[0].shape for im in images)
+    failed = [s[0] for s in samples if isinstance(s[0], ImageError)]
+    return (torch.stack(images) if same else images), labels, failed
 
 
 @torch.no_grad()
@@ -110,6 +130,8 @@ def evaluate(
     bar = tqdm(total=len(indices), desc="evaluating", unit="img", disable=None if progress else True)
     for images, labels in batches(dataset, chunks, workers):
         bar.update(len(labels))
+        if not len(labels):  # every file of the batch was skipped
+            continue
         x = eval_batch(images, model.config.image_size, model.config.in_chans).to(device)
         labels = labels.to(device)
         with autocast(device, precision):
@@ -117,6 +139,11 @@ def evaluate(
         loss += F.cross_entropy(logits, labels, reduction="sum").double()
         confusion += torch.bincount(labels * k + logits.argmax(1), minlength=k * k).reshape(k, k)
         top5 += (logits.topk(min(5, k), dim=1).indices == labels[:, None]).any(1).sum()
+    if world is not None and is_sharded(model):
+        # FSDP gathers the weights in every forward: each process must run as many as the one with most images.
+        dummy = torch.zeros(1, model.config.in_chans, *model.config.image_size, device=device)
+        for _ in range(math.ceil(math.ceil(len(dataset) / size) / batch_size) - len(chunks)):
+            model(dummy)
     bar.close()
     model.train(was_training)
     if world is not None:
@@ -172,17 +199,31 @@ def input_notes(model: Model, image: torch.Tensor) -> list[str]:
 
 @torch.no_grad()
 def predict(
-    model: Model, paths: Sequence[str | os.PathLike], k: int = 5, progress: bool = False
-) -> list[list[tuple[str, float]]]:
-    """Top-k (class name, probability) for each image file, evaluated as in `evaluate`."""
+    model: Model,
+    paths: Sequence[str | os.PathLike],
+    k: int = 5,
+    progress: bool = False,
+    strict: bool = False,
+) -> list[list[tuple[str, float]] | None]:
+    """Top-k (class name, probability) for each image file, evaluated as in `evaluate`. A file that cannot be
+    read gives None in its place (with a warning naming it), or with `strict` an ImageError."""
     if k < 1:
         raise ValueError(f"k={k}: ask for at least the top class (k >= 1).")
     model.eval()
     device = next(model.parameters()).device
     names = model.class_names or [str(i) for i in range(model.config.num_classes)]
-    out = []
+    skipped = SkipLog()
+    out: list[list[tuple[str, float]] | None] = []
     for path in tqdm(paths, desc="predicting", unit="img", disable=None if progress else True):
-        x = eval_batch(read_image(path), model.config.image_size, model.config.in_chans).to(device)
+        try:
+            image = read_image(path)
+        except ImageError as e:
+            if strict:
+                raise
+            skipped.add(e)
+            out.append(None)
+            continue
+        x = eval_batch(image, model.config.image_size, model.config.in_chans).to(device)
         probs = model(x).float().softmax(-1)[0]
         top = probs.topk(min(k, len(probs)))
         out.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])

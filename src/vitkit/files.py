@@ -1,13 +1,13 @@
 """Reading and writing the files behind every checkpoint format: atomic writes, and readers of safetensors,
-`.npz` and weights-only torch files that refuse pickles and name the file when it is unreadable."""
+`.npz` and weights-only torch files that refuse pickles, check every header against the bytes the file holds
+before allocating, and raise `CheckpointError` naming the file (and key) when it is unreadable."""
 
 from __future__ import annotations
 
+import math
 import os
-import pickle
 import tempfile
 import zipfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,11 +15,18 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .errors import CheckpointError
+
 Tensors = dict[str, torch.Tensor]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> None:
-    """Call `write(tmp_path)` and move the result into place, so no half-written file is ever left at `path`."""
+    """Call `write(tmp_path)` and move the result into place, so no half-written file is ever left at `path`.
+
+    The temporary file sits in the same directory (so the rename is atomic), is fsync'ed before the rename, and
+    the directory is fsync'ed after it: after a crash or power loss `path` holds the old file or the new one.
+    If writing fails (a full disk, say) the temporary file is removed and the previous `path` is untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -29,19 +36,42 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; give it the usual permissions
+        _fsync(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+            kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+            raise OSError(e.errno, f"{path}: writing failed ({e.strerror or e}); {kept}") from e
         raise
+    _fsync(path.parent)
+
+
+def _fsync(path: str | os.PathLike) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory; the rename is still atomic there
+        if not os.path.isdir(path):
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_safetensors(path: str | os.PathLike) -> tuple[Tensors, dict[str, str]]:
-    """All tensors and the metadata of a safetensors file; a clear error if it is not one."""
+    """All tensors and the metadata of a safetensors file; a CheckpointError if it is not a sound one (the
+    safetensors reader checks the header against the file's size before reading any tensor)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint file.")
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e}). Is it truncated or of another format?") from e
+    except Exception as e:  # SafetensorError, or torch refusing a dtype: every failure to parse is a refusal
+        raise CheckpointError(
+            path, f"not a readable safetensors file ({type(e).__name__}: {str(e)[:300]}). "
+            "Is it truncated or of another format?",
+        ) from e  # fmt: skip
 
 
 def safetensors_metadata(path: str | os.PathLike) -> dict[str, str] | None:
@@ -54,30 +84,71 @@ def safetensors_metadata(path: str | os.PathLike) -> dict[str, str] | None:
 
 
 def read_npz(path: str | os.PathLike) -> Tensors:
-    """Every array of an `.npz` file as a tensor; object arrays (pickles) are refused."""
+    """Every array of an `.npz` file as a tensor. Each `.npy` header is checked against the bytes the archive
+    holds before anything is allocated; object arrays (pickles), duplicate names and zip bombs are refused."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint file.")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files}
-    except ValueError as e:
-        if "allow_pickle" not in str(e):
-            raise ValueError(f"{path}: not a readable .npz file ({e}). Is it truncated or of another format?") from e
-        raise ValueError(
-            f"{path}: holds object arrays (pickled Python objects), which vitkit never loads because unpickling "
-            "runs code; a ViT checkpoint has numeric arrays only. Re-save it from its own trusted code without them."
-        ) from None
-    except (zipfile.BadZipFile, OSError, EOFError, KeyError, zlib.error) as e:
-        raise ValueError(f"{path}: not a readable .npz file ({e}). Is it truncated or of another format?") from e
+        with zipfile.ZipFile(path) as archive:
+            return _npz_arrays(archive, path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # zipfile and numpy's header parser fail in many ways on a hostile file; all refusals
+        raise CheckpointError(path, f"not a readable .npz file ({type(e).__name__}: {str(e)[:300]}).") from e
+
+
+def _npz_arrays(archive: zipfile.ZipFile, path: str | os.PathLike) -> Tensors:
+    out: Tensors = {}
+    for info in archive.infolist():
+        key = info.filename.removesuffix(".npy")
+        if key in out:
+            raise CheckpointError(path, "the archive holds this array twice.", key)
+        if info.compress_type != zipfile.ZIP_STORED and info.file_size > 100 * info.compress_size + 2**20:
+            raise CheckpointError(
+                path, f"claims {info.file_size:,} bytes from {info.compress_size:,} compressed: refused as a zip bomb.",
+                key,
+            )  # fmt: skip
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            if dtype.hasobject:
+                raise CheckpointError(
+                    path, "holds object arrays (pickled Python objects), which vitkit never loads because unpickling "
+                    "runs code; a ViT checkpoint has numeric arrays only. Re-save it from its own trusted code without "
+                    "them.", key,
+                )  # fmt: skip
+            size = math.prod(shape) * dtype.itemsize
+            held = info.file_size - f.tell()
+            if size != held:
+                raise CheckpointError(
+                    path, f"the header claims shape {shape} of {dtype} ({size:,} bytes); the file holds {held:,}.", key
+                )
+            data = f.read(size)
+        if len(data) != size:
+            raise CheckpointError(path, f"truncated: {len(data):,} of {size:,} bytes.", key)
+        array = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape, order="F" if fortran else "C")
+        try:
+            out[key] = torch.from_numpy(np.ascontiguousarray(array))
+        except TypeError as e:
+            raise CheckpointError(path, f"arrays of dtype {dtype} cannot be weights ({e}).", key) from e
+    return out
 
 
 def read_torch(path: str | os.PathLike) -> Tensors:
     """A `.pth` / `.bin` state dict through `torch.load(weights_only=True)`: plain tensors only, no code runs."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint file.")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
-        raise ValueError(
-            f"{path}: refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
-            "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code."
+    except Exception as e:  # the weights-only unpickler of a hostile file can fail in many ways; all are refusals
+        raise CheckpointError(
+            path,
+            f"refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
+            "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code.",
         ) from e
-    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-        raise ValueError(f"{path}: expected a flat state dict of tensors, got {type(data).__name__} of other things.")
+    if not isinstance(data, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in data.items()):
+        raise CheckpointError(path, f"expected a flat state dict of named tensors, got a {type(data).__name__}.")
     return dict(data)

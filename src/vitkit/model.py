@@ -331,6 +331,7 @@ class VisionTransformer(nn.Module):
                 f"{self.config.image_size[0]}, {self.config.image_size[1]}). Resize the images, or call "
                 "model.set_image_size(...) to resample the position embedding."
             )
+        x = x.to(self.encoder_norm.weight.dtype)  # a bf16 copy (vitkit.optimize) takes fp32 images too
         if self.stem is not None:
             x, stem_out = self.stem.forward_intermediates(x)
             if out is not None:

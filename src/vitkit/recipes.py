@@ -20,12 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import check_fields
+from .config import check_fields, check_type
+from .distributed import STRATEGIES
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear")
 PRECISIONS = ("fp32", "bf16")
 TRAINABLE = ("full", "head", "attention", "mlp")
+NONFINITE = ("stop", "skip")
 
 # The main job's model: ViT-Ti/4 made much narrower and shallower for 28x28 images (7x7 = 49 patches + class token).
 SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
@@ -101,7 +103,14 @@ class TrainConfig:
     grad_clip: float = _field(1.0, "global gradient-norm clipping; 0 turns it off")
     label_smoothing: float = _field(0.0, "label smoothing of the cross-entropy")
     # execution
-    precision: str = _field("fp32", "arithmetic: bf16 autocasts matrix products", PRECISIONS)
+    precision: str = _field(
+        "fp32",
+        "arithmetic: bf16 autocasts matrix products (with fsdp: bf16 weights, fp32 gradient reduction)",
+        PRECISIONS,
+    )
+    strategy: str = _field("ddp", "several processes: ddp keeps a whole model in each, fsdp shards it", STRATEGIES)
+    grad_checkpointing: bool = _field(False, "recompute each block in backward instead of keeping its activations")
+    compile: bool = _field(False, "torch.compile the model for training (minutes to compile on a small CPU)")
     device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     threads: int = _field(0, "CPU threads for torch; 0: torch's default (one per core)")
     seed: int = _field(0, "seed of the initialisation, data order and augmentation")
@@ -109,9 +118,22 @@ class TrainConfig:
     eval_batch_size: int = _field(1000, "batch size of the evaluations")
     log_every: int = _field(20, "steps between lines of metrics.jsonl")
     out_dir: str | None = _field(None, "run directory (default: runs/<data>-<time>)")
+    overwrite: bool = _field(False, "replace a run already in out_dir (otherwise refused: continue it with --resume)")
+    strict: bool = _field(False, "an unreadable image file stops the run (otherwise it is skipped and counted)")
+    nonfinite: str = _field(
+        "stop", "a NaN/Inf loss or gradient: stop the run at that step, or skip the step", NONFINITE
+    )
 
     def __post_init__(self) -> None:
-        for name, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("precision", PRECISIONS)):
+        for f in dataclasses.fields(self):
+            check_type(f.name, getattr(self, f.name), f.type)
+        choices = (
+            ("optimizer", OPTIMIZERS),
+            ("schedule", SCHEDULES),
+            ("precision", PRECISIONS),
+            ("strategy", STRATEGIES),
+        )
+        for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown: choose one of {', '.join(allowed)}.")
         if self.trainable not in TRAINABLE:
@@ -137,6 +159,21 @@ class TrainConfig:
             raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1).")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping).")
+        for name, low in (("threads", 0), ("workers", 0), ("eval_every", 0), ("mixup", 0), ("momentum", 0),
+                          ("eval_batch_size", 1), ("log_every", 1), ("image_size", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name}={value} is invalid: allowed values are >= {low}.")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device={self.device!r} is unknown: choose one of auto, cpu, cuda, cuda:N.")
+        if self.crop_scale is not None and not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale={self.crop_scale} is invalid: two area fractions 0 < min <= max <= 1.")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas} is invalid: two values in [0, 1).")
+        if self.randaugment is not None and (self.randaugment[0] < 0 or not 0 <= self.randaugment[1] <= 30):
+            raise ValueError(f"randaugment={self.randaugment} is invalid: (ops >= 0, magnitude in 0..30).")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite={self.nonfinite!r} is unknown: choose one of {', '.join(NONFINITE)}.")
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from inspect import signature
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +21,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from . import analysis as vi
-from .data import DATASETS, get_dataset, read_image, to_input
+from .data import DATASETS, get_dataset, to_input
+from .errors import ImageError
+from .files import atomic_write
+from .images import SkipLog, read_image
 from .model import VisionTransformer
 
 DPI = 100
@@ -43,12 +47,25 @@ class Samples:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def load_images(paths: list[str | os.PathLike], model: VisionTransformer) -> Samples:
+def load_images(paths: list[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
     """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
-    (aspect ratio not kept), normalised with `to_input`."""
+    (aspect ratio not kept), normalised with `to_input`. Unreadable files are skipped with a warning naming
+    each (with `strict`, the first is an ImageError); none readable is an error."""
     mode = "L" if model.config.in_chans == 1 else "RGB"
-    images = [to_input(read_image(path, mode), model.config.image_size, model.config.in_chans) for path in paths]
-    return Samples(torch.cat(images), [Path(p).name for p in paths])
+    images, titles, skipped = [], [], SkipLog()
+    for path in paths:
+        try:
+            image = read_image(path, mode)
+        except ImageError as e:
+            if strict:
+                raise
+            skipped.add(e)
+            continue
+        images.append(to_input(image, model.config.image_size, model.config.in_chans))
+        titles.append(Path(path).name)
+    if not images:
+        raise ValueError(f"none of the {len(paths)} image file(s) could be read: {'; '.join(skipped.files.values())}")
+    return Samples(torch.cat(images), titles)
 
 
 def dataset_samples(name: str, count: int, model: VisionTransformer, split: str = "test") -> Samples:
@@ -59,12 +76,17 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
     """
     if count < 1:
         raise ValueError(f"--samples {count}: ask for at least one image.")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if name in DATASETS and "image_size" in signature(DATASETS[name]).parameters:
         kwargs["image_size"] = model.config.image_size[0]
     dataset = get_dataset(name, split, **kwargs)
     count = min(count, len(dataset))
     raw = [dataset[i] for i in range(count)]
+    skipped: SkipLog = getattr(dataset, "skipped", SkipLog())
+    for image, _ in raw:
+        if isinstance(image, ImageError):  # an image file that failed to decode: logged, left out
+            skipped.add(image)
+    raw = [sample for sample in raw if not isinstance(sample[0], ImageError)]
     images = torch.cat([to_input(img, model.config.image_size, model.config.in_chans) for img, _ in raw])
     labels = [int(label) for _, label in raw]
     classes = getattr(dataset, "classes", None)
@@ -366,6 +388,8 @@ def write_report(
     from tqdm import tqdm
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: the report is a folder (PNGs and report.html); give a new path.")
     out.mkdir(parents=True, exist_ok=True)
     images, n = samples.images, samples.images.shape[0]
     rollouts = [vi.attention_rollout(model, image) for image in images]
@@ -380,7 +404,7 @@ def write_report(
 
     def figure(name: str, heading: str, fig: Figure, caption: str) -> str:
         data = png_bytes(fig)
-        (out / f"{name}.png").write_bytes(data)
+        atomic_write(out / f"{name}.png", lambda tmp: Path(tmp).write_bytes(data))
         return _figure_html(name, data, heading, caption)
 
     parts = [_config_html(model)]
@@ -426,5 +450,5 @@ def write_report(
         f"{html.escape(', '.join(samples.titles))}.</p>" + "".join(parts) + "</body></html>"
     )
     path = out / "report.html"
-    path.write_text(page, encoding="utf-8")
+    atomic_write(path, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     return path

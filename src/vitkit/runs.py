@@ -4,6 +4,9 @@ config.json          the resolved TrainConfig, model config, dataset and world s
 metrics.jsonl        one JSON object per line: training (loss, lr, top-1/top-5, images/s) and evaluation
 checkpoint.pt        resumable state (model, optimiser, step, data order, RNG), written atomically,
                      read back with `torch.load(weights_only=True)`: tensors and plain containers only
+checkpoint/          instead, for FSDP runs: torch.distributed.checkpoint shards of the model and optimiser
+                     (tensors only) + state.json (the rest); replaced as a whole, resumable with any number of
+                     processes
 model.safetensors    the final model (vitkit format, with class names); best.safetensors: best evaluation
 curves.png, confusion.png, summary.json, tensorboard/ (when tensorboard is installed)
 """
@@ -12,15 +15,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .distributed import read_sharded_state
 from .files import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
+SHARDED_CHECKPOINT = "checkpoint"
 
 
 class RunDir:
@@ -31,6 +37,8 @@ class RunDir:
         self._tensorboard = None
         if enabled:
             self.path.mkdir(parents=True, exist_ok=True)
+            for stale in self.path.glob(".*.tmp"):  # left by a write of a process that was killed
+                stale.unlink(missing_ok=True)
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -47,8 +55,10 @@ class RunDir:
         """Append one metrics record (and mirror its numbers to TensorBoard)."""
         if not self.enabled:
             return
-        with open(self.path / "metrics.jsonl", "a") as f:
+        with open(self.path / "metrics.jsonl", "a") as f:  # an append-only log: see truncate_metrics
             f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if self._tensorboard is not None:
             prefix = record.get("split", "train")
             for key, value in record.items():
@@ -64,8 +74,46 @@ class RunDir:
             self._tensorboard.close()
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT, SHARDED_CHECKPOINT, "model.safetensors", "best.safetensors",
+             "summary.json", "curves.png", "confusion.png")  # fmt: skip
+
+
+def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True) -> None:
+    """Make sure a new run does not write over one already in `path`: refuse, pointing to --resume, or (with
+    `overwrite`) remove the old run's files first (by the main process)."""
+    path = Path(path)
+    found = [name for name in RUN_FILES if (path / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        where = "a finished run" if "model.safetensors" in found else "a run"
+        if CHECKPOINT in found:
+            try:
+                state = torch.load(path / CHECKPOINT, map_location="cpu", weights_only=True)
+                where = f"{where} (step {state['step']} of {state['total_steps']} saved)"
+            except Exception:  # an unreadable checkpoint: the refusal stands, without the step
+                pass
+        raise FileExistsError(
+            f"{path} already holds {where}: continue it with `vitkit train --resume {path}`, or pass --overwrite "
+            "to replace it, or choose another --out-dir."
+        )
+    if is_main:
+        for name in found:
+            if (path / name).is_dir():  # an FSDP run's checkpoint/
+                shutil.rmtree(path / name)
+            else:
+                (path / name).unlink()
+        for folder in ("tensorboard", f".{SHARDED_CHECKPOINT}.old", f".{SHARDED_CHECKPOINT}.tmp"):
+            shutil.rmtree(path / folder, ignore_errors=True)
+
+
 def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The resumable state of a run directory, loaded without unpickling arbitrary objects."""
+    """The resumable state of a run directory, loaded without unpickling arbitrary objects. For a sharded
+    checkpoint: its JSON state, with "sharded" = the directory that `distributed.load_sharded` reads."""
+    # .checkpoint.old: the previous one, when a save was interrupted between its two renames
+    for sharded in (Path(run_dir) / SHARDED_CHECKPOINT, Path(run_dir) / f".{SHARDED_CHECKPOINT}.old"):
+        if (sharded / "state.json").is_file():
+            return {**read_sharded_state(sharded), "sharded": str(sharded)}
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(
@@ -75,16 +123,23 @@ def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl; a last line cut short by a killed process is left out."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    lines = [line for line in text.split("\n") if line.strip()]
+    if lines and not text.endswith("\n"):
+        lines.pop()  # written in part: its record is after the last checkpoint anyway
+    return [json.loads(line) for line in lines]
 
 
 def truncate_metrics(run_dir: str | os.PathLike, step: int) -> None:
     """Drop records written after `step` (logged after the last checkpoint by a run that was then killed)."""
     path = Path(run_dir) / "metrics.jsonl"
     if path.is_file():
-        kept = [json.dumps(r) for r in read_metrics(run_dir) if r["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = "".join(json.dumps(r) + "\n" for r in read_metrics(run_dir) if r["step"] <= step)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(kept))
 
 
 def default_run_dir(data: str) -> Path:
@@ -113,7 +168,7 @@ def plot_run(run_dir: str | os.PathLike, confusion: torch.Tensor | None, classes
     axes[0].legend()
     axes[2].legend()
     fig.tight_layout()
-    fig.savefig(Path(run_dir) / "curves.png", dpi=100)
+    atomic_write(Path(run_dir) / "curves.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     if confusion is None:
         return
@@ -132,5 +187,5 @@ def plot_run(run_dir: str | os.PathLike, confusion: torch.Tensor | None, classes
     ax.set_ylabel("true")
     ax.set_title("confusion matrix (test)")
     fig.tight_layout()
-    fig.savefig(Path(run_dir) / "confusion.png", dpi=100)
+    atomic_write(Path(run_dir) / "confusion.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)

@@ -4,17 +4,22 @@ One step = one optimiser update on a global batch of `batch_size` images, split 
 processes and then over `accumulation_steps` micro-batches. The data order of an epoch is the
 `DistributedSampler` permutation (seed + epoch); the augmentation of step s comes from a generator seeded by
 (seed, s). Both are functions of the step, so a run resumed from its checkpoint continues exactly, and a
-2-process run sees the same global batches, augmented the same way, as a 1-process run.
+2-process run sees the same global batches, augmented the same way, as a 1-process run. Packed datasets
+(`--data shards`) are streamed instead, in an order of their own (see `vitkit.shards`).
+
+`strategy="ddp"` keeps a whole model per process (DistributedDataParallel) and saves checkpoint.pt;
+`strategy="fsdp"` shards it over the processes with FSDP2 and saves the directory checkpoint/ with
+torch.distributed.checkpoint, which resumes with any number of processes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
@@ -32,13 +36,38 @@ from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig
 from .data import ImageArrayDataset, dataset_augmentation, describe, get_dataset, subset
-from .distributed import World, all_gather_tensors, any_process, barrier, close_world, init_world
+from .distributed import (
+    World,
+    all_gather_tensors,
+    any_process,
+    barrier,
+    close_world,
+    full_state_dict,
+    gradient_sync,
+    init_world,
+    is_sharded,
+    load_sharded,
+    save_sharded,
+    wrap_model,
+)
 from .efficiency import count_params
+from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
+from .model import VisionTransformer
 from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
-from .runs import RunDir, default_run_dir, plot_run, read_checkpoint, truncate_metrics
+from .runs import (
+    SHARDED_CHECKPOINT,
+    RunDir,
+    claim_run_dir,
+    default_run_dir,
+    plot_run,
+    read_checkpoint,
+    truncate_metrics,
+)
+from .shards import ShardedDataset
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
+MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]  # (uint8 images, labels)
 ARCHITECTURE_FIELDS = {"hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb",
                        "in_chans", "hybrid", "representation_size", "qkv_bias", "layer_scale_init"}  # fmt: skip
 
@@ -55,6 +84,8 @@ class TrainResult:
     best_top1: float
     seconds: float  # in training steps, over all sessions of the run
     wall_seconds: float  # over all sessions of the run, data loading and evaluation included
+    skipped_steps: int = 0  # non-finite steps not applied (nonfinite="skip")
+    skipped_images: int = 0  # unreadable image files left out (this session)
 
 
 def load_datasets(config: TrainConfig):
@@ -62,10 +93,10 @@ def load_datasets(config: TrainConfig):
     kwargs = dict(config.data_args)
     if config.data_dir is not None:
         kwargs["data_dir"] = config.data_dir
-    train_set = get_dataset(config.data, "train", **kwargs)
+    train_set = get_dataset(config.data, "train", strict=config.strict, **kwargs)
     if config.train_images is not None:
         train_set = subset(train_set, config.train_images)
-    return train_set, get_dataset(config.data, "test", **kwargs)
+    return train_set, get_dataset(config.data, "test", strict=config.strict, **kwargs)
 
 
 def initial_model(config: TrainConfig, dataset) -> Model:
@@ -152,6 +183,13 @@ def train(
     else:
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
     world = init_world(config.device)
+    if saved is None:
+        try:
+            claim_run_dir(run_path, config.overwrite, world.is_main)
+        except BaseException:
+            close_world(world)
+            raise
+        barrier(world)  # the main process has cleared an overwritten run before anyone writes
     threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -171,18 +209,22 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
     model.trained_on = describe(config.data, train_set)
     learning = set_trainable(model, config.trainable)
+    if isinstance(model, VisionTransformer):  # the ResNet baseline has no blocks to recompute
+        model.set_grad_checkpointing(config.grad_checkpointing)
     model.to(world.device)
+    net = wrap_model(model, world, config.strategy, config.precision)  # FSDP shards in place: before the optimiser
     optimizer = build_optimizer(model, config)
     torch.manual_seed(config.seed * 1000 + world.rank + 1)  # dropout / stochastic depth differ between ranks
-    plan = plan_steps(config, len(train_set), world)
+    plan = plan_steps(config, images_per_epoch(train_set, config, world), world)
     run = RunDir(run_path, enabled=world.is_main)
-    state = TrainState(config, world, plan, augment_config(config, train_set), model, model, optimizer, run)
+    state = TrainState(config, world, plan, augment_config(config, train_set), model, net, optimizer, run)
     state.session_start = started
     if saved is not None:
-        restore(state, saved)
+        restore(state, saved)  # the same weights on every process (DDP broadcast rank 0's when wrapping)
     else:
         run.write_json("config.json", run_description(state, learning))
-    state.net = data_parallel(model, world)  # after restoring: every process starts from the same weights
+    if config.compile:
+        state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
 
     final: EvalResult | None = None
     bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
@@ -214,7 +256,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     bar.close()
     if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
         final = run_evaluation(state, test_set)
-    return finish(state, final, interrupted, started)
+    return finish(state, final, interrupted, started, (train_set, test_set))
 
 
 @dataclass(frozen=True)
@@ -227,6 +269,15 @@ class StepPlan:
     eval_interval: int  # steps between evaluations (and checkpoints)
     per_rank: int  # images per process per step
     micro: int  # images per micro-batch
+
+
+def images_per_epoch(dataset, config: TrainConfig, world: World) -> int:
+    """The training images one epoch uses: all of them, or of streamed shards, what every process reads alike."""
+    if not isinstance(dataset, ShardedDataset):
+        return len(dataset)
+    micro = max(config.batch_size // (world.size * config.accumulation_steps), 1)
+    micro_batches = dataset.micro_batches_per_epoch(micro, world.size, config.workers)
+    return micro_batches // config.accumulation_steps * config.batch_size
 
 
 def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
@@ -304,10 +355,12 @@ class TrainState:
     plan: StepPlan
     augment: AugmentConfig
     model: Model
-    net: torch.nn.Module  # the model, or its DistributedDataParallel wrapper when there are several processes
+    net: torch.nn.Module  # what a step calls: the model (FSDP-sharded or not), or its DistributedDataParallel wrapper
     optimizer: torch.optim.Optimizer
     run: RunDir
     step: int = 0  # optimiser updates done
+    skipped_steps: int = 0  # steps with a non-finite loss or gradient, not applied (nonfinite="skip")
+    saved_step: int | None = None  # the step of the newest checkpoint
     best_top1: float = -1.0
     elapsed: float = 0.0  # seconds in training steps, over all sessions of the run
     wall_before: float = 0.0  # wall-clock seconds of the earlier sessions of the run
@@ -320,14 +373,6 @@ def saved_model(saved: dict, dataset) -> Model:
     model = model_from_config(config_from_dict(json.loads(saved["model_config"])))
     model.class_names = list(dataset.classes)
     return model
-
-
-def data_parallel(model: Model, world: World) -> torch.nn.Module:
-    """The model wrapped by DistributedDataParallel (gradients all-reduced in backward) when there are several
-    processes; the model itself otherwise."""
-    if world.size == 1:
-        return model
-    return DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
 
 
 def run_description(state: TrainState, learning: list[str]) -> dict:
@@ -346,26 +391,39 @@ def run_description(state: TrainState, learning: list[str]) -> dict:
 
 def restore(state: TrainState, saved: dict) -> None:
     """Continue from a checkpoint: weights, optimiser, step, best top-1, training seconds, and each process's RNG
-    (when the number of processes is unchanged); metrics logged after the checkpoint are dropped."""
-    state.model.load_state_dict(saved["model"])
-    state.optimizer.load_state_dict(saved["optimizer"])
+    (when the number of processes is unchanged); metrics logged after the checkpoint are dropped. A sharded
+    checkpoint is resharded over however many processes there are now."""
+    if saved.get("sharded"):
+        load_sharded(saved["sharded"], state.model, state.optimizer)
+        rng, cuda_rng = ([bytes_tensor(h) for h in saved[key]] for key in ("rng", "cuda_rng"))
+    else:
+        state.model.load_state_dict(saved["model"])
+        state.optimizer.load_state_dict(saved["optimizer"])
+        rng, cuda_rng = saved["rng"], saved.get("cuda_rng") or []
     state.step, state.best_top1, state.elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
+    state.skipped_steps, state.saved_step = int(saved.get("skipped_steps", 0)), state.step
     state.wall_before = float(saved.get("wall_elapsed", 0.0))
     world = state.world
-    if len(saved["rng"]) == world.size:
-        torch.set_rng_state(saved["rng"][world.rank])
-        if world.device.type == "cuda" and saved.get("cuda_rng"):
-            torch.cuda.set_rng_state(saved["cuda_rng"][world.rank], world.device)
+    if len(rng) == world.size:
+        torch.set_rng_state(rng[world.rank])
+        if world.device.type == "cuda" and cuda_rng:
+            torch.cuda.set_rng_state(cuda_rng[world.rank], world.device)
     if world.is_main:
         truncate_metrics(state.run.path, state.step)
 
 
-def epoch_micro_batches(dataset, state: TrainState) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def epoch_micro_batches(dataset, state: TrainState) -> MicroBatches:
     """(images, labels) of this process's micro-batches for the rest of the current epoch: the epoch's
     `DistributedSampler` permutation (seed + epoch) cut into global batches, this process's share of each,
-    cut into `accumulation_steps` micro-batches."""
+    cut into `accumulation_steps` micro-batches. Packed shards are streamed in their own order instead."""
     config, plan, world = state.config, state.plan, state.world
     epoch, start = divmod(state.step, plan.steps_per_epoch)
+    if isinstance(dataset, ShardedDataset):
+        accumulation = config.accumulation_steps
+        return dataset.stream(
+            epoch=epoch, seed=config.seed, rank=world.rank, world_size=world.size, workers=config.workers,
+            micro=plan.micro, start=start * accumulation, stop=plan.steps_per_epoch * accumulation,
+        )  # fmt: skip
     sampler: DistributedSampler[int] = DistributedSampler(
         dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=config.seed, drop_last=True
     )
@@ -377,7 +435,7 @@ def epoch_micro_batches(dataset, state: TrainState) -> Iterator[tuple[torch.Tens
     return batches(dataset, micro_batches, config.workers)
 
 
-def train_step(state: TrainState, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     """One optimiser update on one global batch: the next `accumulation_steps` micro-batches, augmented with the
     step's own draws, their gradients averaged (across processes at the last one only), clipped and applied.
     The window collects the loss and accuracy; returns the step's learning rate."""
@@ -389,25 +447,44 @@ def train_step(state: TrainState, micro_batches: Iterator[tuple[torch.Tensor, to
     lr = learning_rate(state.step, state.plan.total, config.lr, state.plan.warmup, config.schedule)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
+    finite = True
     for m in range(config.accumulation_steps):
         images, labels = next(micro_batches)
+        if not len(labels):  # every image file of the micro-batch was unreadable (skipped, and counted)
+            continue
         x, targets = train_batch(
-            images, labels, draws[m * micro : (m + 1) * micro], model.config.image_size, state.augment,
+            images, labels, draws[m * micro : m * micro + len(labels)], model.config.image_size, state.augment,
             model.config.num_classes, model.config.in_chans,
         )  # fmt: skip
         x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
-        # DistributedDataParallel all-reduces the gradients on the last micro-batch of the step only.
-        no_sync = getattr(state.net, "no_sync", contextlib.nullcontext)
-        with contextlib.nullcontext() if m == config.accumulation_steps - 1 else no_sync():
+        # DDP and FSDP reduce the gradients over processes on the last micro-batch of the step only.
+        with gradient_sync(state.net, m == config.accumulation_steps - 1):
             with autocast(world.device, config.precision):
                 logits = state.net(x)
             loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
             (loss / config.accumulation_steps).backward()
+        finite = finite and bool(torch.isfinite(loss))
         state.window.add(loss, logits, labels)
-    if config.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.grad_clip)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
+    # The total gradient norm (clipped to grad_clip when > 0; an infinite bound leaves the gradients as they are),
+    # over all shards when FSDP shards the gradients (DTensors).
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
+    finite = finite and bool(torch.isfinite(norm))
+    if any_process(not finite, world):
+        state.optimizer.zero_grad(set_to_none=True)
+        if config.nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {state.step}: non-finite {'loss' if not torch.isfinite(loss) else 'gradient'} "
+                f"(loss {float(loss.detach()):g}, gradient norm {float(norm):g}); the run stopped without applying it. "
+                + (f"The newest checkpoint, step {state.saved_step}, is the last good state: continue with "
+                   f"`vitkit train --resume {state.run.path}` " if state.saved_step is not None else "No checkpoint "
+                   "was saved yet: start again ")
+                + "with a lower --lr, or pass --nonfinite skip to skip such steps."
+            )  # fmt: skip
+        state.skipped_steps += 1
+    else:
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
     spent = time.perf_counter() - tick
     state.elapsed += spent
     state.window.add_step(spent)
@@ -423,15 +500,35 @@ def run_evaluation(state: TrainState, test_set) -> EvalResult:
     )  # fmt: skip
     state.run.log({"split": "test", "step": state.step, "epoch": state.step / state.plan.steps_per_epoch,
                    "loss": result.loss, "top1": result.top1, "top5": result.top5})  # fmt: skip
-    if result.top1 > state.best_top1:
+    if result.top1 > state.best_top1:  # the same on every process: the counts are summed over all
         state.best_top1 = result.top1
-        if state.world.is_main:
-            export(state.model, state.run.path / "best.safetensors")
+        save_model(state, "best.safetensors")
     return result
 
 
+def save_model(state: TrainState, name: str) -> None:
+    """The model as a vitkit file in the run directory, written by the main process. Every process calls this:
+    a sharded model is gathered first."""
+    if not is_sharded(state.model):
+        if state.world.is_main:
+            export(state.model, state.run.path / name)
+        return
+    weights = full_state_dict(state.model)
+    if weights is not None:  # the main process
+        whole = model_from_config(state.model.config)
+        whole.load_state_dict(weights)
+        whole.class_names, whole.trained_on = state.model.class_names, state.model.trained_on
+        export(whole, state.run.path / name)
+
+
+def bytes_tensor(text: str) -> torch.Tensor:
+    """A uint8 tensor (an RNG state) from its hex text in a JSON checkpoint."""
+    return torch.from_numpy(np.frombuffer(bytes.fromhex(text), dtype=np.uint8).copy())
+
+
 def checkpoint_state(state: TrainState) -> dict:
-    """Everything `restore` needs, every process's RNG state included (a collective call: all processes)."""
+    """Everything `restore` needs but the weights and the optimiser, every process's RNG state included (a
+    collective call: all processes)."""
     world, plan = state.world, state.plan
     rng = all_gather_tensors(torch.get_rng_state(), world)
     cuda_rng = all_gather_tensors(torch.cuda.get_rng_state(world.device), world) if world.device.type == "cuda" else []
@@ -439,8 +536,6 @@ def checkpoint_state(state: TrainState) -> dict:
         "format": CHECKPOINT_FORMAT,
         "config": json.dumps(state.config.to_dict()),
         "model_config": json.dumps(state.model.config.to_dict()),
-        "model": state.model.state_dict(),
-        "optimizer": state.optimizer.state_dict(),
         "step": state.step,
         "epoch": state.step // plan.steps_per_epoch,
         "batch_in_epoch": state.step % plan.steps_per_epoch,
@@ -448,6 +543,7 @@ def checkpoint_state(state: TrainState) -> dict:
         "total_steps": plan.total,
         "best_top1": state.best_top1,
         "elapsed": state.elapsed,
+        "skipped_steps": state.skipped_steps,
         "wall_elapsed": state.wall_before + time.perf_counter() - state.session_start,
         "rng": [t.cpu() for t in rng],
         "cuda_rng": [t.cpu() for t in cuda_rng],
@@ -455,18 +551,32 @@ def checkpoint_state(state: TrainState) -> dict:
 
 
 def save_checkpoint(state: TrainState) -> None:
-    """checkpoint.pt in the run directory, written atomically by the main process."""
-    state.run.save_checkpoint(checkpoint_state(state))
+    """checkpoint.pt in the run directory, written atomically by the main process; for a sharded model the
+    directory checkpoint/, written by all processes with torch.distributed.checkpoint (tensors only) and
+    state.json (the rest, RNG states as hex), swapped in atomically."""
+    progress = checkpoint_state(state)
+    if is_sharded(state.model):
+        for key in ("rng", "cuda_rng"):
+            progress[key] = [t.numpy().tobytes().hex() for t in progress[key]]
+        save_sharded(state.run.path / SHARDED_CHECKPOINT, state.model, state.optimizer, progress)
+    else:
+        weights = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}
+        state.run.save_checkpoint({**progress, **weights})
+    state.saved_step = state.step
 
 
-def finish(state: TrainState, final: EvalResult | None, interrupted: bool, started: float) -> TrainResult:
+def finish(
+    state: TrainState, final: EvalResult | None, interrupted: bool, started: float, datasets: tuple = ()
+) -> TrainResult:
     """A finished run keeps model.safetensors and its plots; every run writes summary.json and prints it.
     `started`: `time.perf_counter()` when the session began (for the wall time)."""
+    if not interrupted:
+        save_model(state, "model.safetensors")
     if not interrupted and state.world.is_main:
-        export(state.model, state.run.path / "model.safetensors")
         plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
     result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
-                         state.elapsed, state.wall_before + time.perf_counter() - started)  # fmt: skip
+                         state.elapsed, state.wall_before + time.perf_counter() - started, state.skipped_steps,
+                         sum(len(getattr(d, "skipped", ())) for d in datasets))  # fmt: skip
     if state.world.is_main:
         state.run.write_json("summary.json", summary_dict(result, state.config, state.model))
         print(format_summary(result, state.config, state.model), flush=True)
@@ -489,6 +599,8 @@ def summary_dict(result: TrainResult, config: TrainConfig, model: Model) -> dict
         "best_test_top1": result.best_top1,
         "per_class": dict(zip(model.class_names or [], result.final.per_class)) if result.final else None,
         "parameters": count_params(model.config),
+        "skipped_steps": result.skipped_steps,
+        "skipped_images": result.skipped_images,
     }
 
 
@@ -508,10 +620,14 @@ def format_summary(result: TrainResult, config: TrainConfig, model: Model) -> st
     ]
     if result.interrupted:
         lines.append(f"stopped    checkpoint saved; continue with: vitkit train --resume {result.run_dir}")
+    if result.skipped_steps or result.skipped_images:
+        lines.append(
+            f"skipped    {result.skipped_steps} non-finite step(s), {result.skipped_images} unreadable image(s)"
+        )
     if result.final is not None:
         lines.append(f"test       {format_eval(result.final, model.class_names)}")
         lines.append(f"best       top-1 {100 * result.best_top1:.2f}%")
-    files = ["config.json", "metrics.jsonl", "checkpoint.pt"]
+    files = ["config.json", "metrics.jsonl", "checkpoint.pt" if config.strategy == "ddp" else f"{SHARDED_CHECKPOINT}/"]
     files += [] if result.interrupted else ["model.safetensors", "best.safetensors", "curves.png", "confusion.png"]
     lines += [f"files      {', '.join(files)}", "=" * 72]
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 Every format is a module with the same interface: `NAME`; `detect(path) -> bool`, which recognises its files
 from their kind, name and headers; `load(path, image_size=None, **overrides) -> VisionTransformer`; and
 `export(model, path)`. They are vitkit's own safetensors files (`vitkit`), official and big_vision `.npz`
-(`npz`), Hugging Face directories (`hf`) and timm state dicts (`timm`). `vitkit.checkpoints` is the facade.
+(`npz`), Hugging Face directories (`hf`), timm state dicts (`timm`), and two load-only ones: Hugging Face
+Dinov2Model directories (`dinov2`) and ONNX graphs of ViT backbones (`onnx`). `vitkit.checkpoints` is the
+facade.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from . import hf, npz, timm, vitkit
+from . import dinov2, hf, npz, onnx, timm, vitkit
 
 # In the order `detect_format` asks them: vitkit before timm, since both are safetensors files.
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (vitkit, npz, hf, timm)}
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (vitkit, npz, hf, dinov2, timm, onnx)}
 
 
 def get_format(name: str) -> ModuleType:

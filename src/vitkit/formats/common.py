@@ -7,6 +7,7 @@ applies the rules and reports every tensor of the file that is left over, missin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ..config import ViTConfig, check_fields
+from ..errors import CheckpointError
 from ..files import Tensors
 from ..model import VisionTransformer
 
@@ -62,16 +64,27 @@ def model_from_rules(
 ) -> VisionTransformer:
     """A model of `config` with its weights taken from `tensors` through `rules`, every tensor accounted for.
 
-    Raises ValueError listing the file's unexpected keys, its missing keys and its shape mismatches.
+    Raises CheckpointError listing the file's unexpected keys, its missing keys, its shape mismatches and its
+    tensors that are not floating point. The shapes are checked on the meta device, so a file claiming a huge
+    model allocates nothing before it is refused.
     """
-    model = VisionTransformer(config)
-    expected = model.state_dict()
+    try:
+        with torch.device("meta"):
+            expected = VisionTransformer(config).state_dict()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(path, f"the config inferred from the file cannot build a model ({e}).") from e
     uncovered = sorted(set(expected) - {r.ours for r in rules})
     if uncovered:
         raise ValueError(f"{path}: the {format} format has no place for {_listing(uncovered)} of this config.")
     state: Tensors = {}
     missing: list[str] = []
     mismatched: list[str] = []
+    not_float = [k for k, t in tensors.items() if not t.is_floating_point()]
+    if not_float:
+        raise CheckpointError(
+            path, f"tensors of dtype {tensors[not_float[0]].dtype} where weights must be floating point: "
+            f"{_listing(not_float)}.", key=not_float[0],
+        )  # fmt: skip
     for rule in rules:
         absent = [k for k in rule.theirs if k not in tensors]
         if absent:
@@ -81,7 +94,7 @@ def model_from_rules(
         want = tuple(expected[rule.ours].shape)
         try:
             value, reason = rule.to_ours(*sources), ""
-        except RuntimeError as e:
+        except (RuntimeError, IndexError) as e:
             value, reason = None, f" ({e})"
         if value is None or tuple(value.shape) != want:
             have = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(rule.theirs, sources))
@@ -97,12 +110,15 @@ def model_from_rules(
     if mismatched:
         problems.append(f"shape mismatches: {_listing(mismatched, 6)}")
     if problems:
-        raise ValueError(
-            f"{path}: does not match the {format} layout of the inferred model (hidden_size={config.hidden_size}, "
+        raise CheckpointError(
+            path,
+            f"does not match the {format} layout of the inferred model (hidden_size={config.hidden_size}, "
             f"num_layers={config.num_layers}, num_heads={config.num_heads}, classifier={config.classifier!r}); "
             + "; ".join(problems)
-            + ". Check the file is a ViT checkpoint of this format, or pass the right overrides (e.g. num_heads=)."
+            + ". Check the file is a ViT checkpoint of this format, or pass the right overrides (e.g. num_heads=).",
+            key=next(iter(unexpected + missing), None),
         )
+    model = VisionTransformer(config)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -129,7 +145,7 @@ def require_learned_posemb(config: ViTConfig, format: str) -> None:
 def require(tensors: Tensors, key: str, path: str | os.PathLike, format: str) -> torch.Tensor:
     """The tensor `key`, needed to infer the config; its absence means the file is not of this format."""
     if key not in tensors:
-        raise ValueError(f"{path}: no tensor '{key}', so this is not a ViT checkpoint of the {format} format.")
+        raise CheckpointError(path, f"no such tensor, so this is not a ViT checkpoint of the {format} format.", key)
     return tensors[key]
 
 
@@ -144,16 +160,60 @@ def infer_grid(
         h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
         if (h // stride[0]) * (w // stride[1]) == num_positions:
             return h // stride[0], w // stride[1]
-    raise ValueError(
-        f"{path}: the position embedding has {num_positions} patch positions, which is not a square grid; "
-        "pass image_size=(height, width), the resolution the checkpoint was trained at."
+    raise CheckpointError(
+        path,
+        f"the position embedding has {num_positions} patch positions, which is not a square grid; "
+        "pass image_size=(height, width), the resolution the checkpoint was trained at.",
     )
 
 
-def make_config(inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike) -> ViTConfig:
-    """The inferred config with the user's overrides on top, validated."""
+def make_config(
+    inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike, tensors: Tensors
+) -> ViTConfig:
+    """The inferred config with the user's overrides on top, validated, and plausible for the file's size."""
     check_fields(ViTConfig, overrides)
+    if not isinstance(inferred, dict):
+        raise CheckpointError(path, f"the recorded config is a {type(inferred).__name__}, not a mapping of fields.")
+    unknown = sorted(set(inferred) - {f.name for f in dataclasses.fields(ViTConfig)})
+    if unknown:
+        raise CheckpointError(path, f"the recorded config has unknown field(s) {unknown}.", key=unknown[0])
     try:
-        return ViTConfig(**{**inferred, **overrides})
-    except ValueError as e:
-        raise ValueError(f"{path}: the config inferred from the checkpoint is invalid: {e}") from e
+        config = ViTConfig(**{**inferred, **overrides})
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(path, f"the config inferred from the checkpoint is invalid: {e}") from e
+    check_plausible(config, tensors, path)
+    return config
+
+
+def check_plausible(config: ViTConfig, tensors: Tensors, path: str | os.PathLike) -> None:
+    """Refuse a recorded config that claims far more than the file holds, before any model is built from it.
+
+    The bound is a lower one on the parameters (qkv, proj, MLP per layer; a learned posemb), so a real file
+    always passes, and a file of a few bytes cannot make vitkit allocate a model of billions of parameters."""
+    held = sum(t.numel() for t in tensors.values())
+    d, layers, mlp = config.hidden_size, config.num_layers, config.mlp_dim
+    claimed = layers * (4 * d * d + 2 * d * mlp) + (config.num_patches * d if config.posemb.startswith("learn") else 0)
+    if claimed > held:
+        raise CheckpointError(
+            path, f"the config claims at least {claimed:,} weights (num_layers={layers}, hidden_size={d}, "
+            f"mlp_dim={mlp}, image_size={config.image_size}); the file holds {held:,} values.",
+        )  # fmt: skip
+    if config.num_tokens * d > max(held, 2**26):
+        raise CheckpointError(path, f"image_size={config.image_size} gives {config.num_tokens:,} tokens: refused.")
+
+
+def interpolated_posemb(
+    table: torch.Tensor, num_prefix: int, grid: tuple[int, int], mode: str = "bicubic", antialias: bool = False
+) -> torch.Tensor:
+    """A (1, prefix + h*w, D) posemb table with its square patch grid resampled to `grid` the way DINOv2-style
+    models do it on every forward pass: `F.interpolate(size=grid, align_corners=False)` in float32 ("bicubic",
+    no antialiasing, in Hugging Face's Dinov2). Same-size resampling is the identity."""
+    prefix, patches = table[:, :num_prefix], table[:, num_prefix:]
+    side = math.isqrt(patches.shape[1])
+    if side * side != patches.shape[1]:
+        raise ValueError(f"the position embedding has {patches.shape[1]} patch rows, which is not a square grid.")
+    if (side, side) == tuple(grid):
+        return table
+    x = patches.reshape(1, side, side, -1).permute(0, 3, 1, 2).float()
+    x = torch.nn.functional.interpolate(x, size=tuple(grid), mode=mode, align_corners=False, antialias=antialias)
+    return torch.cat([prefix, x.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1).to(table.dtype)], dim=1)

@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ..config import ViTConfig
+from ..errors import CheckpointError
 from ..files import atomic_write, read_safetensors, read_torch
 from ..model import VisionTransformer
 from .common import (
@@ -73,10 +74,20 @@ def read_weights(directory: Path) -> Tensors:
     if (directory / "model.safetensors").is_file():
         return read_safetensors(directory / "model.safetensors")[0]
     if (directory / "model.safetensors.index.json").is_file():
-        shards = sorted(
-            set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())
-        )
-        return {k: v for shard in shards for k, v in read_safetensors(directory / shard)[0].items()}
+        index = directory / "model.safetensors.index.json"
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        outside = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]
+        if outside:
+            raise CheckpointError(index, f"shards must be files of the directory itself, not {outside[0]!r}.")
+        tensors: Tensors = {}
+        for shard in shards:
+            part = read_safetensors(directory / shard)[0]
+            if set(part) & set(tensors):
+                raise CheckpointError(
+                    directory / shard, "holds a tensor another shard holds too.", min(set(part) & set(tensors))
+                )
+            tensors.update(part)
+        return tensors
     if (directory / "pytorch_model.bin").is_file():
         return read_torch(directory / "pytorch_model.bin")
     raise FileNotFoundError(f"{directory}: none of {', '.join(WEIGHTS)} found in this Hugging Face directory.")
@@ -109,7 +120,7 @@ def infer_config(hf: dict, tensors: Tensors, path: Path, overrides: dict) -> ViT
         layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
         qkv_bias=hf.get("qkv_bias", True),
     )
-    return make_config(inferred, overrides, path)
+    return make_config(inferred, overrides, path, tensors)
 
 
 def class_names_of(hf: dict, num_classes: int) -> list[str] | None:

@@ -193,7 +193,7 @@ def infer_config(tensors: Tensors, path: str | os.PathLike, image_size, override
         qkv_bias=f"{block0}/query/bias" in tensors,
         hybrid=hybrid,
     )
-    return make_config(inferred, overrides, path), dict(names=names, big_vision=big_vision)
+    return make_config(inferred, overrides, path, tensors), dict(names=names, big_vision=big_vision)
 
 
 def detect(path: Path) -> bool:

@@ -118,7 +118,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
                 f"{path}: a timm state dict does not record the number of heads and hidden_size="
                 f"{inferred['hidden_size']} is not a multiple of 64 (timm's usual head width): pass num_heads=."
             )
-    config = make_config(inferred, overrides, path)
+    config = make_config(inferred, overrides, path, tensors)
     model = model_from_rules(config, rules_for(config), tensors, path, NAME)
     if "class_names" in metadata:
         model.class_names = json.loads(metadata["class_names"])

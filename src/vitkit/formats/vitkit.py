@@ -10,10 +10,14 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from ..architectures import Model, config_from_dict, model_from_config
+from ..config import ViTConfig, config_difference
+from ..errors import CheckpointError
 from ..files import atomic_write, read_safetensors, safetensors_metadata
+from .common import check_plausible
 
 NAME = "vitkit"
 
@@ -27,20 +31,48 @@ def detect(path: Path) -> bool:
 
 def load(path: str | os.PathLike, image_size=None, **overrides) -> Model:
     """The model written by `export`, in eval mode; `overrides` change config fields that hold no weights
-    (e.g. `drop_path_rate`). `image_size` is recorded in the file: resampling is `checkpoints.adapt`'s job."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{path}: no such checkpoint file.")
+    (e.g. `drop_path_rate`). `image_size` is recorded in the file: resampling is `checkpoints.adapt`'s job.
+
+    The recorded config is checked against the tensors (names, shapes, dtypes) on the meta device, so a file
+    that claims a huge model is refused before anything of that size is allocated."""
     tensors, metadata = read_safetensors(path)
     if metadata.get("format") != NAME or "config" not in metadata:
-        raise ValueError(
-            f"{path}: a safetensors file without vitkit metadata. For timm weights use "
-            "vitkit.load_checkpoint(path, format='timm')."
-        )
-    config = config_from_dict(json.loads(metadata["config"]))
-    model = model_from_config(config.replace(**overrides) if overrides else config)
+        raise CheckpointError(
+            path, "a safetensors file without vitkit metadata. For timm weights use "
+            "vitkit.load_checkpoint(path, format='timm').",
+        )  # fmt: skip
+    try:
+        config = config_from_dict(json.loads(metadata["config"]))
+        class_names = json.loads(metadata["class_names"]) if "class_names" in metadata else None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(path, f"the recorded config or class names are invalid ({e}).", key="config") from e
+    if isinstance(config, ViTConfig):
+        check_plausible(config, tensors, path)
+    with torch.device("meta"):
+        expected = model_from_config(config).state_dict()
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    wrong = [k for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
+    wrong += [k for k in expected if k in tensors and not tensors[k].is_floating_point()]
+    if missing or unexpected or wrong:
+        listed = [f"{k} {tuple(tensors[k].shape)} {tensors[k].dtype}" for k in wrong[:6]]
+        raise CheckpointError(
+            path, f"does not match its recorded config: missing {missing[:6]}, unexpected {unexpected[:6]}, "
+            f"wrong shape or dtype {listed}.", key=(missing or unexpected or wrong)[0],
+        )  # fmt: skip
+    if overrides:
+        tuned = config.replace(**overrides)
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in model_from_config(tuned).state_dict().items()}
+        if shapes != {k: v.shape for k, v in expected.items()}:
+            raise ValueError(
+                f"{path}: the overrides change the architecture of the checkpoint "
+                f"({config_difference(config, tuned)}, as saved != as asked): pass only fields without "  # type: ignore[arg-type]
+                "weights (dropout, drop_path_rate, ...), or use adapt() for image_size and num_classes."
+            )
+        config = tuned
+    model = model_from_config(config)
     model.load_state_dict(tensors, strict=True)
-    if "class_names" in metadata:
-        model.class_names = json.loads(metadata["class_names"])
+    model.class_names = class_names
     if "trained_on" in metadata:
         model.trained_on = json.loads(metadata["trained_on"])
     return model.eval()

@@ -1,0 +1,383 @@
+"""`vitkit.bench`: the paper's Fig. 12 for any variant on the machine at hand.
+
+Inference images/s against resolution and batch size, the peak memory of each, the largest batch that fits a
+memory budget, and training-step images/s (forward, backward, AdamW), in fp32 and bf16, for the plain model
+and the copy `vitkit.optimize` makes. Beside every model figure the same rounds time the model's own largest
+matrix multiply (the first MLP layer, B*N x D times D x mlp_dim) in the same precision, and each model's
+FLOP/s is reported as a fraction of that rate: how close the model runs to what this machine's GEMM reaches.
+
+Every cell is timed in interleaved rounds (all cells of one resolution and batch size, then again), and the
+median is kept, so that noise from other work on the machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .config import ViTConfig, decode_variant
+from .efficiency import flops
+from .model import VisionTransformer
+from .optimization import bf16_is_native, optimize
+
+MODES = ("plain", "optimized")
+BENCH_PRECISIONS = ("fp32", "bf16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_native_cpu": bf16_is_native("cpu"),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["bf16_native_gpu"] = bf16_is_native("cuda")
+    return info
+
+
+class PeakMemory(TorchDispatchMode):
+    """Peak bytes of the tensors created while it is active (outputs of every op, views counted once), on
+    any device; `peak` is read after the `with` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, live tensors using it]
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key not in self.live:
+            self.live[key] = [storage.nbytes(), 0]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        self.live[key][1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: tuple[str, int]) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.current -= entry[0]
+                del self.live[key]
+
+
+def _state_bytes(*objects) -> int:
+    """Bytes held by the parameters and buffers of modules and the state of optimisers."""
+    seen, total = set(), 0
+    for obj in objects:
+        tensors = []
+        if isinstance(obj, torch.nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors = [v for s in obj.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+@dataclass
+class _Cell:
+    """One thing to time: a callable doing `images` images' worth of work per call."""
+
+    kind: str  # inference | train | matmul
+    precision: str
+    mode: str
+    run: Any
+    images: int
+    flops: float  # per call
+    memory: float | None = None  # peak bytes, measured once
+    rates: list[float] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(cell: _Cell, device: torch.device, min_seconds: float) -> float:
+    """Seconds per call, over as many calls as fill `min_seconds` (at least one)."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        cell.run()
+        calls += 1
+        _sync(device)
+        spent = time.perf_counter() - start
+        if spent >= min_seconds:
+            return spent / calls
+
+
+def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: ViTConfig) -> _Cell:
+    if mode == "optimized":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # emulated bf16 is measured all the same; `machine` says it is
+            net = optimize(model, precision)
+
+        def run():
+            with torch.inference_mode():
+                net(x)
+    else:
+        dtype = DTYPES[precision]
+
+        def run():
+            with torch.inference_mode(), torch.autocast(x.device.type, dtype=dtype, enabled=precision == "bf16"):
+                model(x)
+
+    return _Cell("inference", precision, mode, run, x.shape[0], x.shape[0] * flops(config))
+
+
+def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: bool = False) -> _Cell:
+    model = VisionTransformer(config).to(x.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    net = torch.compile(model) if compile else model
+    labels = torch.randint(0, max(config.num_classes, 1), (x.shape[0],), device=x.device)
+
+    def run():
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logits = net(x)
+        F.cross_entropy(logits.float(), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    mode = "compiled" if compile else "plain"
+    cell = _Cell("train", precision, mode, run, x.shape[0], 3 * x.shape[0] * flops(config))  # backward: 2x forward
+    cell.state = (model, optimizer)  # type: ignore[attr-defined]
+    return cell
+
+
+def _matmul_cell(config: ViTConfig, precision: str, batch: int, device: torch.device) -> _Cell:
+    """The model's largest matrix multiply: tokens (B*N, D) times the first MLP weight (D, mlp_dim)."""
+    rows, d, m = batch * config.num_tokens, config.hidden_size, config.mlp_dim
+    a = torch.randn(rows, d, device=device, dtype=DTYPES[precision])
+    b = torch.randn(d, m, device=device, dtype=DTYPES[precision])
+    out = torch.empty(rows, m, device=device, dtype=DTYPES[precision])
+
+    def run():
+        torch.mm(a, b, out=out)
+
+    return _Cell("matmul", precision, "-", run, 0, 2.0 * rows * d * m)
+
+
+def _measure_memory(cell: _Cell, static: int) -> float:
+    with PeakMemory() as tracker:
+        cell.run()
+    return static + tracker.peak
+
+
+def bench(
+    model: str | ViTConfig = "ViT-B/16",
+    *,
+    image_sizes: tuple[int, ...] = (224,),
+    batch_sizes: tuple[int, ...] = (1, 8),
+    precisions: tuple[str, ...] = ("fp32", "bf16"),
+    modes: tuple[str, ...] = MODES,
+    train: bool = True,
+    compile: bool = False,
+    rounds: int = 3,
+    min_seconds: float = 0.2,
+    memory_budget_gb: float | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    **model_args: Any,
+) -> dict[str, Any]:
+    """Measure `model` (a variant name or a ViTConfig) on this machine; returns a JSON-able dict with
+    `machine`, `rows` (one per resolution, batch, precision, kind and mode: images/s, GFLOP/s, fraction of the
+    matmul rate, peak memory) and `largest_batch` (per resolution and precision, for `memory_budget_gb`).
+
+    `compile=True` adds `torch.compile`d training steps. `min_seconds`: each timing repeats calls until it
+    lasts that long; `rounds`: interleaved repetitions, the median kept.
+    """
+    from tqdm import tqdm
+
+    for name, values, allowed in (("precisions", precisions, BENCH_PRECISIONS), ("modes", modes, MODES)):
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise ValueError(f"{name}={values!r}: choose from {', '.join(allowed)}.")
+    if rounds < 1 or not image_sizes or not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"rounds={rounds}, batch_sizes={batch_sizes}: need at least one round, batch and size.")
+    device = torch.device(device)
+    base = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
+    result: dict[str, Any] = {
+        "model": model if isinstance(model, str) else "custom",
+        "config": base.to_dict(),
+        "machine": {**machine(), "device": str(device)},
+        "settings": {"rounds": rounds, "min_seconds": min_seconds, "memory_budget_gb": memory_budget_gb},
+        "rows": [],
+        "largest_batch": [],
+    }
+    groups = [(size, batch) for size in image_sizes for batch in batch_sizes]
+    per_group = len(precisions) * (1 + len(modes) + (1 + compile) * train)
+    bar = tqdm(total=len(groups) * per_group * (rounds + 1), desc="vitkit bench", disable=not progress, unit="cell")
+    for size in image_sizes:
+        config = base.replace(image_size=size)
+        net = VisionTransformer(config).to(device).eval()
+        for batch in batch_sizes:
+            x = torch.randn(batch, config.in_chans, *config.image_size, device=device)
+            cells: list[_Cell] = []
+            for precision in precisions:
+                cells.append(_matmul_cell(config, precision, batch, device))
+                cells += [_inference_cell(net, precision, mode, x, config) for mode in modes]
+                if train:
+                    cells.append(_train_cell(config, precision, x))
+                    if compile:
+                        cells.append(_train_cell(config, precision, x, compile=True))
+            for cell in cells:  # warm-up (and compilation), then the peak memory of one call
+                cell.run()
+                _sync(device)
+                state = getattr(cell, "state", ())
+                static = _state_bytes(net, *state) if cell.kind != "matmul" else 0
+                if cell.kind != "matmul" and cell.mode != "compiled":
+                    cell.memory = _measure_memory(cell, static)
+                cell.rates = []
+                bar.update(1)
+            for _ in range(rounds):
+                for cell in cells:
+                    cell.rates.append(_time(cell, device, min_seconds))
+                    bar.update(1)
+            peak = {c.precision: c.flops / statistics.median(c.rates) for c in cells if c.kind == "matmul"}
+            for cell in cells:
+                seconds = statistics.median(cell.rates)
+                row = {
+                    "image_size": size,
+                    "batch": batch,
+                    "precision": cell.precision,
+                    "kind": cell.kind,
+                    "mode": cell.mode,
+                    "gflops_per_s": cell.flops / seconds / 1e9,
+                }
+                if cell.kind != "matmul":
+                    row["images_per_s"] = cell.images / seconds
+                    row["fraction_of_matmul"] = cell.flops / seconds / peak[cell.precision]
+                    row["peak_memory_mb"] = None if cell.memory is None else cell.memory / 2**20
+                result["rows"].append(row)
+    bar.close()
+    result["largest_batch"] = largest_batches(result["rows"], memory_budget_gb)
+    return result
+
+
+def largest_batches(rows: list[dict], budget_gb: float | None) -> list[dict]:
+    """Largest batch within `budget_gb`, per resolution, precision, kind and mode, from a straight line through
+    the peak memory measured at each batch size (memory = fixed + per_image * batch)."""
+    if budget_gb is None:
+        return []
+    out = []
+    keys = {(r["image_size"], r["precision"], r["kind"], r["mode"]) for r in rows if r.get("peak_memory_mb")}
+    for key in sorted(keys):
+        same = [r for r in rows if (r["image_size"], r["precision"], r["kind"], r["mode"]) == key]
+        points = sorted((r["batch"], r["peak_memory_mb"]) for r in same if r.get("peak_memory_mb"))
+        if len(points) < 2 or points[-1][0] == points[0][0]:
+            continue
+        (b0, m0), (b1, m1) = points[0], points[-1]
+        per_image = max((m1 - m0) / (b1 - b0), 1e-9)
+        fixed = m0 - per_image * b0
+        largest = int((budget_gb * 1024 - fixed) // per_image)
+        out.append({"image_size": key[0], "precision": key[1], "kind": key[2], "mode": key[3],
+                    "largest_batch": max(largest, 0), "per_image_mb": per_image, "fixed_mb": fixed})  # fmt: skip
+    return out
+
+
+def format_bench(result: dict) -> str:
+    """A table of the rows, with the machine in the header."""
+    m = result["machine"]
+    lines = [
+        f"{result['model']} on {m['cpu']} ({m['cpu_capability']}, bf16 native: {m['bf16_native_cpu']}), "
+        f"{m['threads']} threads, torch {m['torch']}, device {m['device']}; median of "
+        f"{result['settings']['rounds']} interleaved rounds",
+        f"{'px':>5}{'batch':>6} {'prec':<5}{'kind':<10}{'mode':<10}{'images/s':>10}{'GFLOP/s':>9}{'of matmul':>10}"
+        f"{'peak MB':>9}",
+    ]
+    for r in result["rows"]:
+        if r["kind"] == "matmul":
+            lines.append(f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{'matmul':<10}{'':<10}{'':>10}"
+                         f"{r['gflops_per_s']:>9.1f}{'1.00':>10}")  # fmt: skip
+            continue
+        mem = "" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
+        lines.append(
+            f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{r['kind']:<10}{r['mode']:<10}"
+            f"{r['images_per_s']:>10.2f}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}{mem:>9}"
+        )
+    for r in result["largest_batch"]:
+        lines.append(f"largest batch in {result['settings']['memory_budget_gb']} GB at {r['image_size']} px, "
+                     f"{r['precision']} {r['kind']} ({r['mode']}): {r['largest_batch']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_bench(result: dict, path: str | Path) -> tuple[Path, Path]:
+    """The JSON at `path` and the Fig. 12-style plot beside it (same name, .png)."""
+    from .files import atomic_write
+
+    path = Path(path)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
+    png = path.with_suffix(".png")
+    atomic_write(png, lambda tmp: plot_bench(result, tmp))
+    return path, png
+
+
+def plot_bench(result: dict, path: str | Path) -> None:
+    """Fig. 12: inference images/s against resolution (a line per batch, precision and mode), and the
+    largest batch in the memory budget against resolution."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    lines: dict[tuple, list] = {}
+    for r in result["rows"]:
+        if r["kind"] == "inference":
+            lines.setdefault((r["batch"], r["precision"], r["mode"]), []).append((r["image_size"], r["images_per_s"]))
+    for (batch, precision, mode), pts in sorted(lines.items()):
+        pts.sort()
+        axes[0].plot(*zip(*pts), marker="o", label=f"batch {batch} {precision} {mode}")
+    axes[0].set(xlabel="input size (px)", ylabel="images/s", yscale="log", title="inference throughput")
+    axes[0].legend(fontsize=7)
+    sizes: dict[tuple, list] = {}
+    for r in result["largest_batch"]:
+        sizes.setdefault((r["precision"], r["kind"], r["mode"]), []).append((r["image_size"], r["largest_batch"]))
+    for (precision, kind, mode), pts in sorted(sizes.items()):
+        pts.sort()
+        axes[1].plot(*zip(*pts), marker="o", label=f"{kind} {precision} {mode}")
+    budget = result["settings"]["memory_budget_gb"]
+    title = f"largest batch in {budget} GB" if budget else "largest batch (give a memory budget)"
+    axes[1].set(xlabel="input size (px)", ylabel="largest batch", yscale="log", title=title)
+    if sizes:
+        axes[1].legend(fontsize=7)
+    fig.suptitle(f"{result['model']} on {result['machine']['cpu_capability']}, {result['machine']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)

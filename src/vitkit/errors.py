@@ -1,0 +1,40 @@
+"""vitkit's own error types, in the lowest module so every reader can raise them and every test can catch them.
+
+Both are `ValueError`s, so code that already catches `ValueError` (the CLI's exit status 2) keeps working.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file (any format) that cannot be read as a model: truncated, inconsistent, hostile, or with
+    non-finite weights. The message names the file and, where there is one, the key."""
+
+    def __init__(self, path: str | os.PathLike, message: str, key: str | None = None):
+        self.path, self.key, self.reason = str(path), key, message
+        where = f"{path}" + (f" [{key}]" if key is not None else "")
+        super().__init__(f"{where}: {message}")
+
+    def __reduce__(self):  # picklable, so it crosses from DataLoader workers intact
+        return type(self), (self.path, self.reason, self.key)
+
+
+class ImageError(ValueError):
+    """An image file that cannot be used: not an image, truncated, empty, or too large to decode safely."""
+
+    def __init__(self, path: str | os.PathLike, message: str):
+        self.path, self.reason = str(path), message
+        super().__init__(f"{path}: {message}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason)
+
+
+class WorkerError(RuntimeError):
+    """A DataLoader worker process died (killed, out of memory): reported at once instead of waited on."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a NaN or infinite loss or gradient and stopped; the last checkpoint is the last good state."""

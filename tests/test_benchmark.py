@@ -1,0 +1,57 @@
+import json
+
+import pytest
+import torch
+
+import vitkit
+from vitkit.benchmark import PeakMemory, largest_batches
+from vitkit.cli import main
+
+TINY = "hidden_size=16,num_layers=1,mlp_dim=32,num_heads=2,num_classes=4"
+
+
+@pytest.mark.slow
+def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", "ViT-Ti/8", "--model-args", TINY, "--image-size", "16", "32", "--batch-size", "1",
+            "2", "--rounds", "2", "--min-seconds", "0.001", "--memory-budget-gb", "1", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert result["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    rows = result["rows"]
+    # 2 sizes x 2 batches x 2 precisions x (matmul, plain, optimized, train)
+    assert len(rows) == 32
+    cells = {(r["image_size"], r["batch"], r["precision"], r["kind"], r["mode"]) for r in rows}
+    assert (32, 2, "bf16", "inference", "optimized") in cells and (16, 1, "fp32", "train", "plain") in cells
+    for r in rows:
+        assert r["gflops_per_s"] > 0
+        if r["kind"] != "matmul":
+            assert r["images_per_s"] > 0 and r["fraction_of_matmul"] > 0 and r["peak_memory_mb"] > 0
+    fitted = {(r["image_size"], r["kind"]) for r in result["largest_batch"]}
+    assert fitted == {(s, k) for s in (16, 32) for k in ("inference", "train")}
+
+
+def test_bench_rejects_an_unknown_precision_with_the_choices():
+    with pytest.raises(ValueError, match="choose from fp32, bf16"):
+        vitkit.bench("ViT-Ti/8", precisions=("fp16",), progress=False)
+
+
+def test_peak_memory_counts_the_activations_a_training_step_keeps():
+    model = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=2, num_classes=2)
+    peaks = []
+    for batch in (2, 8):
+        with PeakMemory() as tracker:
+            model(torch.randn(batch, 3, 32, 32)).sum().backward()
+        peaks.append(tracker.peak)
+    # at least the patch tokens saved by each of the 2 layers' norms, 6 more images' worth
+    tokens = 5 * 192 * 4  # (N, D) fp32 per image
+    assert peaks[1] - peaks[0] >= 6 * 2 * tokens
+
+
+def test_largest_batch_follows_the_line_through_the_measured_peaks():
+    rows = [{"image_size": 224, "precision": "fp32", "kind": "inference", "mode": "plain", "batch": b,
+             "peak_memory_mb": 100 + 10 * b} for b in (1, 8)]  # fmt: skip
+    (fit,) = largest_batches(rows, budget_gb=1)
+    assert fit["largest_batch"] == (1024 - 100) // 10 and fit["per_image_mb"] == pytest.approx(10)

@@ -1,0 +1,105 @@
+"""Config and CLI: every invalid option value is one line on stderr naming the option and what is allowed, with
+exit status 2, never a traceback; names suggest the closest; sizes suggest valid ones."""
+
+import pytest
+
+import vitkit
+from vitkit.cli import main
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err
+    return status, err
+
+
+# One invalid value per kind of option, with what the one-line error must say.
+TRAIN_CASES = [
+    (["--model-args", "hidden_size=abc"], "hidden_size='abc' (a str) must be of type int"),
+    (["--model-args", "num_layers=2.5"], "num_layers=2.5 (a float) must be of type int"),
+    (["--threads", "-3"], "threads=-3 is invalid: allowed values are >= 0"),
+    (["--workers", "-1"], "workers=-1 is invalid: allowed values are >= 0"),
+    (["--log-every", "0"], "log_every=0 is invalid: allowed values are >= 1"),
+    (["--eval-batch-size", "0"], "eval_batch_size=0 is invalid: allowed values are >= 1"),
+    (
+        ["--optimizer", "adam"],
+        "argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd'); did you mean 'adamw'?",
+    ),  # fmt: skip
+    (["--schedule", "step"], "argument --schedule: invalid choice: 'step' (choose from 'cosine', 'linear')"),
+    (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16' (choose from 'fp32', 'bf16')"),
+    (["--device", "tpu"], "device='tpu' is unknown: choose one of auto, cpu, cuda, cuda:N"),
+    (["--nonfinite", "ignore"], "argument --nonfinite: invalid choice: 'ignore' (choose from 'stop', 'skip')"),
+    (["--batch-size", "0"], "batch_size=0 must be a positive multiple of accumulation_steps=1"),
+    (["--lr", "-1"], "lr=-1.0 must be > 0"),
+    (["--label-smoothing", "1"], "label_smoothing=1.0 must be in [0, 1)"),
+    (["--crop-scale", "0.5", "2"], "crop_scale=(0.5, 2.0) is invalid: two area fractions 0 < min <= max <= 1"),
+    (["--betas", "0.9", "1.5"], "betas=(0.9, 1.5) is invalid: two values in [0, 1)"),
+    (["--epochs", "many"], "argument --epochs: invalid float value: 'many'"),
+    (["--flip", "maybe"], "argument --flip: 'maybe': use true or false"),
+    (["--model", "ViT-B/1G"], "unknown model name 'ViT-B/1G'"),
+    (["--model", "ViT-Bx/16"], "Did you mean 'ViT-B/16'"),
+    (["--data", "fashion-mnits"], "invalid choice: 'fashion-mnits' (choose from "),
+    (["--data", "fashion-mnits"], "; did you mean 'fashion-mnist'?"),
+    (
+        ["--data", "shapes", "--image-size", "30"],
+        "image height 30 is not divisible by the patch stride 4 px: use a multiple of 4, e.g. 28 or 32",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("args, message", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
+def test_invalid_train_option_is_one_line_naming_it_with_exit_status_2(tmp_path, capsys, args, message):
+    status, err = run_cli(["train", "--out-dir", str(tmp_path / "run"), *args], capsys)
+    assert status == 2
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    model = vitkit.create_model("ViT-Ti/4", image_size=16, hidden_size=8, num_layers=1, mlp_dim=8, num_heads=2,
+                                num_classes=2)  # fmt: skip
+    vitkit.export(model, tmp_path / "m.safetensors")
+    return str(tmp_path / "m.safetensors")
+
+
+def test_convert_to_hf_onto_an_existing_file_and_inspect_out_onto_a_file_are_errors(tmp_path, capsys, checkpoint):
+    existing = tmp_path / "existing.txt"
+    existing.write_text("keep me\n")
+    status, err = run_cli(["convert", checkpoint, str(existing), "--to", "hf"], capsys)
+    assert (
+        status == 2 and err.count("\n") == 1 and "existing.txt is a file, and the Hugging Face format is a dir" in err
+    )
+    status, err = run_cli(["convert", checkpoint, str(tmp_path), "--to", "timm"], capsys)
+    assert status == 2 and "is a directory, and the timm format is one file" in err
+    status, err = run_cli(["inspect", "--checkpoint", checkpoint, "--out", str(existing)], capsys)
+    assert status == 2 and err.count("\n") == 1 and "existing.txt is a file: the report is a folder" in err
+    assert existing.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["convert", "CKPT", "out", "--to", "onnx2"], "argument --to: invalid choice: 'onnx2' (choose from"),
+        (["eval", "--checkpoint", "CKPT", "--split", "val"], "argument --split: invalid choice: 'val' (choose from"),
+        (["eval", "--checkpoint", "CKPT", "--data", "shape"], "invalid choice: 'shape' (choose from "),
+        (["eval", "--checkpoint", "CKPT", "--data", "shape"], "; did you mean 'shapes'?"),
+        (["models", "--image-size", "0"], "image_size=0 is invalid: give a positive int"),
+        (["predict", "--checkpoint", "CKPT", "no-such.png"], "no-such.png: no such image file"),
+        (["eval", "--checkpoint", "missing.safetensors"], "missing.safetensors: no such checkpoint file"),
+    ],
+)
+def test_invalid_values_of_other_commands_are_one_line_errors(capsys, checkpoint, argv, message):
+    status, err = run_cli([checkpoint if a == "CKPT" else a for a in argv], capsys)
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+
+
+def test_overrides_that_change_a_checkpoints_architecture_name_the_fields(checkpoint):
+    with pytest.raises(ValueError, match=r"change the architecture .*hidden_size 8 != 16, num_heads 2 != 4"):
+        vitkit.load_checkpoint(checkpoint, hidden_size=16, num_heads=4)
+    assert vitkit.load_checkpoint(checkpoint, drop_path_rate=0.1).config.drop_path_rate == 0.1

@@ -1,0 +1,123 @@
+import contextlib
+
+import pytest
+import torch
+
+import vitkit
+from vitkit import optimization as opt
+from vitkit.optimization import PackedLinear, optimize
+
+SMALL = {"hidden_size": 32, "num_layers": 2, "mlp_dim": 64, "num_heads": 4, "num_classes": 10, "image_size": 32}
+
+
+def small_model(**overrides) -> vitkit.VisionTransformer:
+    model = vitkit.create_model("ViT-Ti/8", **{**SMALL, "init": "trunc_normal", **overrides})
+    with torch.no_grad():  # a non-zero head, so the logits are not all equal
+        model.head.weight.normal_(std=0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"classifier": "gap"}, {"posemb": "relative"}, {"posemb": "sincos2d"}, {"representation_size": 16}],
+    ids=["token", "gap", "relative", "sincos2d", "pre_logits"],
+)
+def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
+    model = small_model(**overrides)
+    x = torch.randn(3, 3, 32, 32)
+    fast = optimize(model, "fp32")
+    if opt.mkl_packing_available():
+        assert any(isinstance(m, PackedLinear) for m in fast.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
+        # batch sizes other than the packing hint, and the explicit-softmax path of the report
+        torch.testing.assert_close(fast(x[:1]), model(x[:1]), rtol=0, atol=1e-4)
+        got, want = fast.forward_intermediates(x, attention=True), model.forward_intermediates(x, attention=True)
+        torch.testing.assert_close(got["attention"][-1], want["attention"][-1], rtol=0, atol=1e-5)
+
+
+def test_packed_linear_equals_f_linear_for_any_leading_shape():
+    if not opt.mkl_packing_available():
+        pytest.skip("this torch build has no MKL (torch.ops.mkl._mkl_linear)")
+    linear = torch.nn.Linear(24, 40)
+    packed = PackedLinear(linear)
+    for shape in [(5, 24), (2, 7, 24), (1, 1, 24), (opt.PACKED_MAX_ROWS + 1, 24)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(packed(x), linear(x).detach(), rtol=0, atol=1e-5)
+
+
+def test_bf16_fast_path_is_within_bf16_rounding_of_the_plain_model():
+    model = small_model()
+    x = torch.randn(4, 3, 32, 32)
+    with pytest.warns(UserWarning, match="emulated") if not opt.bf16_is_native() else contextlib.nullcontext():
+        fast = optimize(model, "bf16")
+    assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
+    with torch.no_grad():
+        want = model(x)
+        got = fast(x)  # fp32 images in, bf16 logits out
+        assert got.dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(x).float()
+    # bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%); through two layers the error stays within a
+    # few percent of the logits' scale, and no worse than bf16 autocast's own error by more than a factor of 2.
+    scale = want.abs().max()
+    error = (got.float() - want).abs().max()
+    assert error <= 0.03 * scale, (error, scale)
+    assert error <= 2 * (autocast - want).abs().max() + 0.01 * scale
+    assert (got.float().argmax(1) == want.argmax(1)).float().mean() >= 0.75
+
+
+def test_optimize_leaves_the_original_model_untouched():
+    model = small_model().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = optimize(model, "fp32")
+    assert model.training and all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not fast.training and not any(p.requires_grad for p in fast.parameters())
+    assert sum(p.numel() for p in fast.parameters()) == sum(p.numel() for p in model.parameters())
+    assert fast.state_dict().keys() == model.state_dict().keys()
+
+
+def test_auto_precision_picks_bf16_only_where_it_is_native(monkeypatch):
+    monkeypatch.setattr(opt, "bf16_is_native", lambda device="cpu": False)
+    assert opt.resolve_precision("auto") == "fp32"
+    monkeypatch.setattr(opt, "bf16_is_native", lambda device="cpu": True)
+    assert opt.resolve_precision("auto") == "bf16"
+    assert opt.resolve_precision("fp32") == "fp32"
+
+
+def test_emulated_bf16_warns_and_unknown_precision_says_what_to_use(monkeypatch):
+    monkeypatch.setattr(opt, "bf16_is_native", lambda device="cpu": False)
+    with pytest.warns(UserWarning, match="slower than fp32"):
+        optimize(small_model(), "bf16")
+    with pytest.raises(ValueError, match="'fp16' is unknown: choose one of auto, fp32, bf16"):
+        optimize(small_model(), "fp16")
+
+
+@pytest.mark.slow
+def test_compiled_fast_path_gives_the_plain_models_logits():
+    model = small_model(num_layers=1)
+    x = torch.randn(2, 3, 32, 32)
+    fast = optimize(model, "fp32", compile=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_predict_and_eval_give_the_same_answers_with_and_without_optimize(tmp_path, capsys):
+    from PIL import Image
+
+    from vitkit.cli import main
+
+    model = small_model(num_classes=6)  # shapes has 6 classes
+    model.class_names = [f"class{i}" for i in range(6)]
+    path = tmp_path / "model.safetensors"
+    vitkit.export(model, path)
+    image = tmp_path / "image.png"
+    Image.fromarray((torch.rand(32, 32, 3) * 255).byte().numpy()).save(image)
+    answers = []
+    for flags in ([], ["--no-optimize"]):
+        assert main(["predict", "--checkpoint", str(path), str(image), *flags]) == 0
+        assert main(["eval", "--checkpoint", str(path), "--data", "shapes", "--batch-size", "50", *flags]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and "class" in answers[0] and "top-1" in answers[0]

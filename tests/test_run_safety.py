@@ -1,0 +1,288 @@
+"""Checkpoints written: every file atomically (temporary file in the same directory, fsync, rename, fsync of the
+directory); a full disk leaves the previous file intact and says so; a killed run's files can be resumed."""
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_training import TINY, shapes_config
+from vitkit.checkpoints import load_checkpoint
+from vitkit.cli import main
+from vitkit.files import atomic_write
+from vitkit.runs import read_checkpoint, read_metrics
+from vitkit.training import train
+
+
+def test_atomic_write_fsyncs_the_file_renames_then_fsyncs_the_directory(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        assert Path(src).parent == Path(dst).parent  # the temporary file sits beside the target
+        events.append(("rename", Path(dst).name))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    atomic_write(tmp_path / "out.bin", lambda tmp: Path(tmp).write_bytes(b"new"))
+    assert [e[0] for e in events] == ["fsync", "rename", "fsync"]
+    assert events[0][1].startswith(".out.bin.") and events[0][1].endswith(".tmp")
+    assert events[1][1] == "out.bin" and events[2][1] == tmp_path.name
+    assert (tmp_path / "out.bin").read_bytes() == b"new"
+
+
+def test_disk_full_while_writing_leaves_the_previous_file_intact_and_says_so(tmp_path):
+    target = tmp_path / "checkpoint.pt"
+    target.write_bytes(b"previous")
+
+    def fill_the_disk(tmp):
+        Path(tmp).write_bytes(b"half of the new")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match=r"checkpoint\.pt: writing failed \(No space left on device\); the previous "
+                       r"checkpoint\.pt is intact") as caught:  # fmt: skip
+        atomic_write(target, fill_the_disk)
+    assert caught.value.errno == errno.ENOSPC
+    assert target.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary file left
+
+
+def test_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}]
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_training_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+    stopped = train(shapes_config(tmp_path / "run", steps=8), stop_after=3)
+    assert stopped.interrupted and read_checkpoint(tmp_path / "run")["step"] == 3
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if str(f).endswith(".tmp") and ".checkpoint.pt." in str(f):
+            with open(f, "wb") as out:
+                out.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("vitkit train: error: ") and "No space left on device" in err[-1]
+    assert "the previous checkpoint.pt is intact" in err[-1]
+    assert read_checkpoint(tmp_path / "run")["step"] == 3
+
+
+KILL_RUN = dict(
+    data="shapes",
+    data_args={"size": 48, "image_size": 16},
+    model="ViT-Ti/8",
+    model_args={"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2, "drop_path_rate": 0.1},
+    batch_size=8,
+    steps=240,
+    eval_every=0.34,
+    log_every=1,
+    crop_scale=(0.3, 1.0),
+    threads=1,
+)  # fmt: skip  (6 steps per epoch: an evaluation and a checkpoint every 2 steps)
+
+
+def _train_in_child(config, resume) -> None:
+    """A forked training process (vitkit already imported: a kill cycle costs a second, not an interpreter start)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    train(config) if resume is None else train(resume=resume)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint_and_resume_reaches_the_same_weights(tmp_path):
+    import multiprocessing
+    import random
+    import signal
+    import time
+
+    from safetensors.torch import load_file
+
+    from vitkit.recipes import TrainConfig
+
+    fork = multiprocessing.get_context("fork")
+    run_dir = tmp_path / "killed"
+    config = TrainConfig(**KILL_RUN, out_dir=str(run_dir))
+    train(config.replace(out_dir=str(tmp_path / "warm"), steps=2))  # what a run imports, the children inherit
+    checkpoint = run_dir / "checkpoint.pt"
+    rng, steps, mid_write, began = random.Random(0), [], 0, time.perf_counter()
+    while len(steps) < 20:
+        written = checkpoint.stat().st_mtime_ns if checkpoint.exists() else 0
+        child = fork.Process(target=_train_in_child, args=(config if not steps else None, run_dir if steps else None))
+        child.start()
+        # Kill at a random moment after this session has saved a checkpoint of its own (so every session makes
+        # progress), counted in steps so that it does not depend on the machine's speed: right after that
+        # checkpoint, or after the next step, or (every third time) as soon as the next checkpoint's temporary
+        # file appears, in the middle of writing it.
+        while child.is_alive() and not (checkpoint.exists() and checkpoint.stat().st_mtime_ns != written):
+            time.sleep(0.001)
+        assert child.is_alive(), "the run finished before 20 kills: give it more steps"
+        if len(steps) % 3 == 2:
+            deadline = time.perf_counter() + 5.0
+            while not list(run_dir.glob(".checkpoint.pt.*.tmp")) and time.perf_counter() < deadline:
+                time.sleep(0.0002)
+            mid_write += bool(list(run_dir.glob(".checkpoint.pt.*.tmp")))
+        elif rng.random() < 0.5:
+            target = read_checkpoint(run_dir)["step"] + 1
+            while child.is_alive() and not any(r["step"] >= target for r in read_metrics(run_dir)):
+                time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.005))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        assert child.exitcode == -signal.SIGKILL
+        steps.append(read_checkpoint(run_dir)["step"])  # loadable, after every kill
+    killed_seconds = time.perf_counter() - began
+    child = fork.Process(target=_train_in_child, args=(config, run_dir))
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    assert steps == sorted(steps) and steps[-1] < KILL_RUN["steps"]
+    assert not list(run_dir.glob(".*.tmp"))  # temporary files of killed writes are cleared when the run resumes
+
+    train(config.replace(out_dir=str(tmp_path / "whole")))
+    killed, whole = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("killed", "whole"))
+    assert killed.keys() == whole.keys() and all(torch.equal(killed[k], whole[k]) for k in killed)
+    train_steps = [r["step"] for r in read_metrics(run_dir) if r["split"] == "train"]
+    assert train_steps == list(range(1, KILL_RUN["steps"] + 1))  # every step logged once, none twice
+    print(f"20 SIGKILLs ({mid_write} while a checkpoint was being written) at steps {steps} in {killed_seconds:.1f} s")
+
+
+# --- run directories, numerics, determinism ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_directory_holding_a_run_is_never_overwritten(tmp_path, capsys):
+    stopped = train(shapes_config(tmp_path / "run", steps=6), stop_after=2)
+    assert stopped.interrupted
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    with pytest.raises(FileExistsError, match=r"run already holds a run \(step 2 of 6 saved\): continue it with "
+                       r"`vitkit train --resume .*run`, or pass --overwrite"):  # fmt: skip
+        train(shapes_config(tmp_path / "run", steps=6))
+    status = main(["train", "--data", "shapes", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "--resume" in err
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before  # untouched
+
+    again = train(shapes_config(tmp_path / "run", steps=3, overwrite=True))
+    assert again.step == 3 and not again.interrupted
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"] == [1, 2, 3]  # only the new
+    with pytest.raises(FileExistsError, match=r"already holds a finished run"):
+        train(shapes_config(tmp_path / "run", steps=3))
+
+
+@pytest.fixture
+def nan_at_step_5(monkeypatch):
+    """The input of step 5 becomes NaN (so its loss and gradients are)."""
+    from vitkit import training
+
+    real, calls = training.train_batch, {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        x, targets = real(*args, **kwargs)
+        calls["n"] += 1
+        return (torch.full_like(x, float("nan")) if calls["n"] == 5 else x), targets
+
+    monkeypatch.setattr(training, "train_batch", poisoned)
+
+
+def test_a_nan_loss_stops_the_run_at_its_step_and_the_last_good_checkpoint_stays_newest(tmp_path, nan_at_step_5):
+    from vitkit.errors import NonFiniteError
+
+    config = shapes_config(tmp_path / "run", steps=8, eval_every=0.34)  # 6 steps per epoch: a checkpoint every 2
+    with pytest.raises(NonFiniteError, match=r"step 5: non-finite loss \(loss nan, .*newest checkpoint, step 4, is "
+                       r"the last good state: continue with `vitkit train --resume"):  # fmt: skip
+        train(config)
+    state = read_checkpoint(tmp_path / "run")
+    assert state["step"] == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_nonfinite_skip_skips_the_step_and_counts_it(tmp_path, nan_at_step_5):
+    import json
+
+    result = train(shapes_config(tmp_path / "run", steps=8, nonfinite="skip"))
+    assert result.step == 8 and result.skipped_steps == 1
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_steps"] == 1
+    model = load_checkpoint(tmp_path / "run" / "model.safetensors")  # finite, or load_checkpoint would refuse it
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_same_seed_and_config_on_cpu_give_the_same_metrics_byte_for_byte_apart_from_timing(tmp_path):
+    import re
+
+    for name in ("a", "b"):
+        train(shapes_config(tmp_path / name, steps=6, eval_every=0.34, model_args={**TINY, "drop_path_rate": 0.1}))
+    timing = re.compile(r', "images_per_s": [0-9.e+-]+')  # the one timing field of metrics.jsonl
+    a, b = ((tmp_path / name / "metrics.jsonl").read_text() for name in ("a", "b"))
+    assert timing.sub("", a) == timing.sub("", b) and len(a.splitlines()) == 6 + 3
+    assert "images_per_s" in a and timing.sub("", a) != a
+
+
+# --- a long run ---------------------------------------------------------------------------------------------------
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def children() -> list[int]:
+    """Live processes whose parent is this one."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.slow
+def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_path):
+    import threading
+    import time
+
+    spec = dict(steps=None, epochs=16, eval_every=1, workers=2, log_every=3)  # evaluation + checkpoint every epoch
+    train(shapes_config(tmp_path / "warm", **{**spec, "epochs": 1}))  # thread pools, lazy imports
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    samples, done = [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(rss_mb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    result = train(shapes_config(tmp_path / "soak", **spec))
+    done.set()
+    sampler.join()
+    assert result.step == 16 * 6 and len(read_metrics(tmp_path / "soak")) == 16 * 2 + 16
+    quarter = len(samples) // 4
+    early, late = sorted(samples[quarter : 2 * quarter]), sorted(samples[3 * quarter :])
+    growth = late[len(late) // 2] - early[len(early) // 2]
+    print(f"soak: {len(samples)} RSS samples, median {early[len(early) // 2]:.0f} MB in the 2nd quarter, "
+          f"{late[len(late) // 2]:.0f} MB in the 4th: growth {growth:+.1f} MB")  # fmt: skip
+    assert growth < 20
+    assert len(os.listdir("/proc/self/fd")) == fds  # no file left open
+    assert threading.active_count() == threads  # no thread left running
+    assert children() == []  # no DataLoader worker left behind

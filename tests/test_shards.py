@@ -1,0 +1,149 @@
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from conftest import SMALL_ENCODER, assert_same_weights, run_weights
+from vitkit import training
+from vitkit.data import ImageFolder, get_dataset
+from vitkit.recipes import TrainConfig
+from vitkit.shards import ShardedDataset, pack_image_folder
+from vitkit.training import train
+
+
+def write_image_folder(root, per_class: int = 12, classes=("cat", "dog", "owl")):
+    """PNG and JPEG files of varied sizes, each image unique (its pixels encode class and index)."""
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (10 + i % 3, 12, 3), dtype=np.uint8)
+            pixels[0, 0] = (c, i, 7)
+            suffix = ".jpg" if i % 4 == 0 else ".png"
+            Image.fromarray(pixels).save(root / name / f"{i:03d}{suffix}")
+    return root
+
+
+def fingerprint(image: torch.Tensor, label: int) -> tuple:
+    return (tuple(image.shape), image.numpy().tobytes(), int(label))
+
+
+@pytest.fixture
+def packed(tmp_path):
+    root = write_image_folder(tmp_path / "photos")
+    index = pack_image_folder(root, tmp_path / "packed", samples_per_shard=4, val_fraction=0.25)
+    return root, tmp_path / "packed", index
+
+
+def test_pack_writes_balanced_parquet_shards_with_the_original_bytes(packed):
+    root, out, index = packed
+    assert index["classes"] == ["cat", "dog", "owl"]
+    counts = [s["count"] for s in index["splits"]["train"]]
+    assert sum(counts) == 27 and max(counts) - min(counts) <= 1 and len(counts) == 7  # 3 x 9 train images
+    assert sum(s["count"] for s in index["splits"]["test"]) == 9
+    assert json.loads((out / "index.json").read_text()) == index
+    table = pq.read_table(out / index["splits"]["train"][0]["file"])  # any Parquet reader reads a shard
+    assert table.column_names == ["key", "image", "label"] and table.num_rows == counts[0]
+    originals = {p.read_bytes(): p.parent.name for p in root.rglob("*.*")}
+    for data, label in zip(table.column("image").to_pylist(), table.column("label").to_pylist()):
+        assert index["classes"][label] == originals[data]  # stored as the original file, not re-encoded
+
+
+def test_packed_split_holds_the_image_folder_split_pixel_for_pixel(packed):
+    root, out, _ = packed
+    for split in ("train", "test"):
+        folder = ImageFolder(split, root, val_fraction=0.25)
+        sharded = get_dataset("shards", split, data_dir=out)
+        assert sharded.classes == folder.classes and len(sharded) == len(folder)
+        assert Counter(fingerprint(*sharded[i]) for i in range(len(sharded))) == Counter(
+            fingerprint(*folder[i]) for i in range(len(folder))
+        )
+
+
+def epoch_samples(dataset, epoch, world_size, workers, micro, start=0, stop=None):
+    """Every process's micro-batches of an epoch, decoded by real DataLoader workers."""
+    stop = stop or dataset.micro_batches_per_epoch(micro, world_size, workers)
+    out = []
+    for rank in range(world_size):
+        stream = dataset.stream(epoch=epoch, seed=3, rank=rank, world_size=world_size, workers=workers, micro=micro,
+                                start=start, stop=stop)  # fmt: skip
+        out.append([[fingerprint(im, y) for im, y in zip(images, labels)] for images, labels in stream])
+    return out
+
+
+@pytest.mark.slow
+def test_streamed_epoch_covers_the_images_once_over_processes_and_workers(tmp_path):
+    root = write_image_folder(tmp_path / "photos", per_class=8)
+    pack_image_folder(root, tmp_path / "packed", samples_per_shard=3, val_fraction=0.25)  # 18 train: 6 shards of 3
+    dataset = ShardedDataset("train", tmp_path / "packed")
+    folder = Counter(fingerprint(*ImageFolder("train", root, val_fraction=0.25)[i]) for i in range(18))
+    # 3 processes x 2 workers: one shard per role, each process 2 micro-batches of 3 samples.
+    assert dataset.micro_batches_per_epoch(3, 3, 2) == 2
+    ranks = epoch_samples(dataset, epoch=0, world_size=3, workers=2, micro=3)
+    seen = [s for rank in ranks for batch in rank for s in batch]
+    assert Counter(seen) == folder  # every image once: no duplicate across processes or workers
+    assert all(len(batch) == 3 for rank in ranks for batch in rank)
+    assert epoch_samples(dataset, epoch=0, world_size=3, workers=2, micro=3) == ranks  # a function of the epoch
+    assert epoch_samples(dataset, epoch=1, world_size=3, workers=2, micro=3) != ranks  # reshuffled per epoch
+
+
+@pytest.mark.slow
+def test_a_resumed_stream_continues_exactly(packed):
+    _, out, _ = packed
+    dataset = ShardedDataset("train", out)  # 7 shards of 3-4 samples
+    micro, workers = 2, 2
+    total = dataset.micro_batches_per_epoch(micro, 1, workers)
+    assert total == (3 + 3 + 4) // micro * workers  # a role gets 3 of the 7 shards at least: the 3 smallest
+    whole = epoch_samples(dataset, 5, 1, workers, micro)[0]
+    assert len(whole) == total and len({s for b in whole for s in b}) == total * micro
+    for start in (1, 3, total - 1):
+        assert epoch_samples(dataset, 5, 1, workers, micro, start=start)[0] == whole[start:]
+
+
+def test_too_few_shards_for_the_processes_is_a_clear_error(packed):
+    dataset = ShardedDataset("test", packed[1])  # 3 shards
+    with pytest.raises(ValueError, match="3 shards cannot feed 2 processes x 2 workers"):
+        dataset.micro_batches_per_epoch(1, 2, 2)
+    with pytest.raises(FileNotFoundError, match="vitkit data pack"):
+        get_dataset("shards", "train", data_dir=packed[0])
+
+
+def small_run(out_dir, **overrides) -> TrainConfig:
+    spec = dict(model="ViT-Ti/8", model_args=dict(SMALL_ENCODER), image_size=16, batch_size=3, epochs=1, eval_every=0,
+                threads=1, workers=2, out_dir=str(out_dir))  # fmt: skip
+    return TrainConfig(**{**spec, **overrides})
+
+
+@pytest.mark.slow
+def test_a_training_epoch_on_packed_shards_sees_exactly_the_image_folder_images(tmp_path, monkeypatch):
+    root = write_image_folder(tmp_path / "photos", per_class=8)
+    pack_image_folder(root, tmp_path / "packed", samples_per_shard=3, val_fraction=0.25)  # 18 train images
+    seen: list[tuple] = []
+    augment = training.train_batch
+
+    def recording_train_batch(images, labels, *args, **kwargs):
+        seen.extend(fingerprint(image, label) for image, label in zip(images, labels))
+        return augment(images, labels, *args, **kwargs)
+
+    monkeypatch.setattr(training, "train_batch", recording_train_batch)
+    data_args = {"val_fraction": 0.25}
+    train(small_run(tmp_path / "folder", data="imagefolder", data_dir=str(root), data_args=data_args))
+    from_folder, seen[:] = Counter(seen), []
+    train(small_run(tmp_path / "shards", data="shards", data_dir=str(tmp_path / "packed"), data_args={}))
+    assert len(seen) == 18 and Counter(seen) == from_folder  # each image once, the same pixels and labels
+
+
+@pytest.mark.slow
+def test_a_run_on_packed_shards_stopped_and_resumed_is_bit_identical(tmp_path):
+    root = write_image_folder(tmp_path / "photos", per_class=8)
+    pack_image_folder(root, tmp_path / "packed", samples_per_shard=3, val_fraction=0.25)
+    spec = dict(data="shards", data_dir=str(tmp_path / "packed"), data_args={}, epochs=2)  # 12 steps
+    train(small_run(tmp_path / "whole", **spec))
+    stopped = train(small_run(tmp_path / "split", **spec), stop_after=4)  # inside the first epoch
+    assert stopped.interrupted and stopped.step == 4
+    assert train(resume=tmp_path / "split").step == 12
+    assert_same_weights(run_weights(tmp_path / "whole"), run_weights(tmp_path / "split"))
