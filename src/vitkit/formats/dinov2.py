@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ..config import ViTConfig
 from ..model import VisionTransformer
-from .common import Rule, Tensors, fused_qkv, interpolated_posemb, make_config, model_from_rules, rename
-from .hf import linear, read_weights
+from .common import Rule, Tensors, interpolated_posemb, make_config, model_from_rules, rename
+from .hf import attention_rules, embedding_rules, linear, read_weights
 
 NAME = FORMAT = "dinov2"
 
@@ -38,21 +38,11 @@ def detect(path: str | os.PathLike) -> bool:
 
 def rules_for(config: ViTConfig) -> list[Rule]:
     """Every tensor of the model under its Dinov2Model name (the posemb is interpolated before the rules apply)."""
-    rules = [
-        rename("cls_token", "embeddings.cls_token"),
-        rename("posemb.weight", "embeddings.position_embeddings"),
-        *linear("embedding", "embeddings.patch_embeddings.projection"),
-    ]
+    rules = embedding_rules("")
     for i in range(config.num_layers):
         ours, theirs = f"blocks.{i}", f"encoder.layer.{i}"
-        q, k, v = (f"{theirs}.attention.attention.{n}" for n in ("query", "key", "value"))
-        params = ("weight", "bias") if config.qkv_bias else ("weight",)
-        rules += [
-            fused_qkv(f"{ours}.attn.qkv.{t}", f"{q}.{t}", f"{k}.{t}", f"{v}.{t}", lambda c: c, lambda c: c)
-            for t in params
-        ]
         rules += linear(f"{ours}.norm1", f"{theirs}.norm1")
-        rules += linear(f"{ours}.attn.proj", f"{theirs}.attention.output.dense")
+        rules += attention_rules(ours, theirs, config.qkv_bias)
         rules += [rename(f"{ours}.ls1.gamma", f"{theirs}.layer_scale1.lambda1")]
         rules += linear(f"{ours}.norm2", f"{theirs}.norm2")
         rules += linear(f"{ours}.mlp.fc1", f"{theirs}.mlp.fc1")

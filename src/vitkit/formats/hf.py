@@ -40,24 +40,33 @@ def linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
     return [rename(f"{ours}.weight", f"{theirs}.weight")] + ([rename(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
 
 
-def rules_for(config: ViTConfig, p: str) -> list[Rule]:
-    """Every tensor of the model under its Hugging Face name; `p` is "vit." in `ViTForImageClassification`, "" in
-    a bare `ViTModel`."""
-    rules = [
+def embedding_rules(p: str) -> list[Rule]:
+    """Class token, posemb and patch embedding under Hugging Face's names (ViT and Dinov2 alike)."""
+    return [
         rename("cls_token", f"{p}embeddings.cls_token"),
         rename("posemb.weight", f"{p}embeddings.position_embeddings"),
         *linear("embedding", f"{p}embeddings.patch_embeddings.projection"),
     ]
+
+
+def attention_rules(ours: str, theirs: str, qkv_bias: bool) -> list[Rule]:
+    """Hugging Face's separate query, key and value and its output dense (ViT and Dinov2 alike) <-> our fused
+    `attn.qkv` and `attn.proj` of block `ours`."""
+    q, k, v = (f"{theirs}.attention.attention.{n}" for n in ("query", "key", "value"))
+    params = ("weight", "bias") if qkv_bias else ("weight",)
+    fused = [fused_qkv(f"{ours}.attn.qkv.{t}", f"{q}.{t}", f"{k}.{t}", f"{v}.{t}", lambda c: c, lambda c: c)
+             for t in params]  # fmt: skip
+    return fused + linear(f"{ours}.attn.proj", f"{theirs}.attention.output.dense")
+
+
+def rules_for(config: ViTConfig, p: str) -> list[Rule]:
+    """Every tensor of the model under its Hugging Face name; `p` is "vit." in `ViTForImageClassification`, "" in
+    a bare `ViTModel`."""
+    rules = embedding_rules(p)
     for i in range(config.num_layers):
         ours, theirs = f"blocks.{i}", f"{p}encoder.layer.{i}"
-        q, k, v = (f"{theirs}.attention.attention.{n}" for n in ("query", "key", "value"))
-        params = ("weight", "bias") if config.qkv_bias else ("weight",)
-        rules += [
-            fused_qkv(f"{ours}.attn.qkv.{t}", f"{q}.{t}", f"{k}.{t}", f"{v}.{t}", lambda c: c, lambda c: c)
-            for t in params
-        ]
         rules += linear(f"{ours}.norm1", f"{theirs}.layernorm_before")
-        rules += linear(f"{ours}.attn.proj", f"{theirs}.attention.output.dense")
+        rules += attention_rules(ours, theirs, config.qkv_bias)
         rules += linear(f"{ours}.norm2", f"{theirs}.layernorm_after")
         rules += linear(f"{ours}.mlp.fc1", f"{theirs}.intermediate.dense")
         rules += linear(f"{ours}.mlp.fc2", f"{theirs}.output.dense")
