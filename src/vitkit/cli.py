@@ -11,7 +11,7 @@ import sys
 import warnings
 from typing import Any
 
-from . import __version__
+from . import __version__, formats
 from . import config as cfg
 from .benchmark import BENCH_PRECISIONS
 from .benchmark import MODES as BENCH_MODES
@@ -376,9 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
     p.add_argument("dst", help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
                    "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
-    p.add_argument("--to", required=True, choices=("vitkit", "hf", "timm", "npz"), help="output format")
-    p.add_argument("--format", default="auto", choices=("auto", "vitkit", "npz", "timm", "hf", "dinov2", "onnx"),
-                   help="input format")  # fmt: skip
+    p.add_argument("--to", required=True, choices=formats.WRITABLE, help="output format")
+    p.add_argument("--format", default="auto", choices=("auto", *formats.FORMATS), help="input format")
     _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 

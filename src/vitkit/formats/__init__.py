@@ -19,6 +19,8 @@ from . import dinov2, hf, npz, onnx, timm, vitkit
 
 # In the order `detect_format` asks them: vitkit before timm, since both are safetensors files.
 FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (vitkit, npz, hf, dinov2, timm, onnx)}
+# The formats vitkit writes: all but those whose module sets `WRITES = False` (read-only: their `export` refuses).
+WRITABLE: tuple[str, ...] = tuple(name for name, module in FORMATS.items() if getattr(module, "WRITES", True))
 
 
 def get_format(name: str) -> ModuleType:

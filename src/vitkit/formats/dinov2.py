@@ -22,7 +22,8 @@ from ..model import VisionTransformer
 from .common import Rule, Tensors, interpolated_posemb, make_config, model_from_rules, rename
 from .hf import attention_rules, embedding_rules, linear, read_weights
 
-NAME = FORMAT = "dinov2"
+NAME = "dinov2"
+WRITES = False  # load-only: `export` refuses
 
 
 def detect(path: str | os.PathLike) -> bool:

@@ -27,7 +27,8 @@ import torch
 from ..model import VisionTransformer
 from .common import Tensors, _listing, interpolated_posemb, make_config, model_from_rules, rename
 
-NAME = FORMAT = "onnx"
+NAME = "onnx"
+WRITES = False  # load-only: `export` refuses
 PASS_THROUGH = {"Reshape", "Transpose", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Mul", "Div"}
 
 
@@ -440,11 +441,11 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
         table = interpolated_posemb(table, 1, config.grid_size, mode, p.resize["antialias"])
     elif side * side == table.shape[1] - 1 and (side, side) != config.grid_size:
         config, wanted = config.replace(image_size=(side * p.patch[0], side * p.patch[1])), config.image_size
-        vit = model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
+        vit = model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, NAME)
         vit.set_image_size(wanted)
         return vit
     p.tensors["posemb.weight"] = table
-    return model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, FORMAT)
+    return model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, NAME)
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
