@@ -43,15 +43,7 @@ BEGIN, END = "<!-- compare.py: begin -->", "<!-- compare.py: end -->"
 def build_timm(config: vitkit.ViTConfig) -> torch.nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
-    return VisionTransformer(
-        img_size=config.image_size,
-        patch_size=config.patch_size,
-        embed_dim=config.hidden_size,
-        depth=config.num_layers,
-        num_heads=config.num_heads,
-        mlp_ratio=config.mlp_dim / config.hidden_size,
-        num_classes=config.num_classes,
-    )
+    return VisionTransformer(**vitkit.formats.timm.model_args(config))  # the same arguments as vitkit's timm export
 
 
 def build_hf(config: vitkit.ViTConfig) -> torch.nn.Module:
