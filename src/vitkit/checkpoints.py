@@ -66,7 +66,8 @@ def load_checkpoint(
     NaN or infinite weights, unless `allow_nonfinite` (then a warning names them).
     """
     if not os.path.exists(path) and pretrained.is_pretrained_name(str(path)):
-        return load_pretrained(str(path), image_size=image_size, num_classes=num_classes, **overrides)
+        return load_pretrained(str(path), image_size=image_size, num_classes=num_classes,
+                               allow_nonfinite=allow_nonfinite, **overrides)  # fmt: skip
     name = formats.detect_format(path) if format == "auto" else format
     reader = partial(formats.get_format(name).load, image_size=image_size, **overrides)
     check_fields(ViTConfig, overrides)
