@@ -199,6 +199,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"))
     parser.add_argument("--kinds", nargs="+", default=["inference", "train"], choices=("inference", "train"))
+    parser.add_argument(
+        "--train-batches", type=int, nargs="+", help="batch sizes of the training step (default: --batches)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--min-seconds", type=float, default=0.5, help="shortest timing per contender and round")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave out timm + torch.compile")
@@ -213,7 +216,7 @@ def main() -> None:
     for name in args.models:
         for kind in args.kinds:
             for precision in args.precisions:
-                for batch in args.batches:
+                for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
                     runs = contenders(name, batch, precision, kind, args.compile and kind == "inference")
                     rates = measure(runs, args.rounds, args.min_seconds, batch)
                     rows.append({"model": name, "batch": batch, "precision": precision, "kind": kind, "rates": rates})

@@ -53,7 +53,7 @@ def test_every_train_option_has_its_field_description_and_the_registries_choices
     text = help_text("train", capsys)
     for name in ("data", "lr", "model_args", "warmup_fraction", "eval_every"):
         assert field_help(name)[0] in text, name
-    for registry in (sorted(DATASETS), OPTIMIZERS, SCHEDULES, PRECISIONS, TRAINABLE):
+    for registry in (sorted(DATASETS), tuple(OPTIMIZERS), tuple(SCHEDULES), PRECISIONS, TRAINABLE):
         assert "|".join(registry) in text
     assert "default adamw" in text and "default 0.002" in text and "default 6" in text
 

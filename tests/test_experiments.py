@@ -66,3 +66,25 @@ def test_a_missing_pretrained_checkpoint_is_a_one_line_error(tmp_path, capsys):
     args = ["experiment", "pretraining", "--preset", "tiny", "--checkpoint", str(tmp_path / "nope.safetensors")]
     assert main([*args, "--out", str(tmp_path)]) == 2
     assert "give --checkpoint FILE" in capsys.readouterr().err
+
+
+def test_experiments_share_the_trainings_they_have_in_common(tmp_path):
+    from vitkit.experiments import PRESETS, Setting, run_key, stand_in_checkpoint
+
+    setting = Setting(PRESETS["tiny"], 1, stand_in_checkpoint(tmp_path, PRESETS["tiny"]))
+    keys = {
+        name: {tuple(sorted(r.labels.items())): run_key(r) for r in e.runs(setting)} for name, e in EXPERIMENTS.items()
+    }
+    label = lambda **labels: tuple(sorted({**labels, "seed": 0}.items()))  # noqa: E731
+    full = PRESETS["tiny"].subsets[-1]
+    assert keys["hybrid"][label(model="ViT")] == keys["data-scaling"][label(model="ViT", images=full)]
+    assert keys["hybrid"][label(model="ResNet")] == keys["data-scaling"][label(model="ResNet", images=full)]
+    n = PRESETS["tiny"].pretrained_subsets[-1]
+    assert (
+        keys["partial-finetuning"][label(trainable="full")] == keys["pretraining"][label(method="fine-tune", images=n)]
+    )
+    assert (
+        keys["attention-distance"][label(model="from scratch")]
+        == keys["pretraining"][label(method="from scratch", images=n)]
+    )
+    assert len(set(keys["data-scaling"].values())) == len(keys["data-scaling"])  # distinct runs stay distinct

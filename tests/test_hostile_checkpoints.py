@@ -70,8 +70,9 @@ def test_safetensors_with_a_duplicate_key_is_refused(tmp_path):
     text = f'{{"pos_embed": {entry}, "pos_embed": {entry}}}'.encode()
     path = tmp_path / "dup.safetensors"
     path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 8)
-    with pytest.raises(CheckpointError, match=r"dup\.safetensors"):
-        vitkit.load_checkpoint(path, format="timm")
+    for format in ("timm", "vitkit", "auto"):
+        with pytest.raises(CheckpointError, match=r"dup\.safetensors \[pos_embed\]: .* names this tensor twice"):
+            vitkit.load_checkpoint(path, format=format)
 
 
 def test_vitkit_file_whose_config_claims_a_huge_model_is_refused_before_building_it(tmp_path):

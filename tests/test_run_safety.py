@@ -263,7 +263,7 @@ def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_pa
 
     spec = dict(steps=None, epochs=16, eval_every=1, workers=2, log_every=3)  # evaluation + checkpoint every epoch
     train(shapes_config(tmp_path / "warm", **{**spec, "epochs": 1}))  # thread pools, lazy imports
-    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    fds, threads = len(os.listdir("/proc/self/fd")), set(threading.enumerate())
     samples, done = [], threading.Event()
 
     def sample() -> None:
@@ -283,6 +283,8 @@ def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_pa
     print(f"soak: {len(samples)} RSS samples, median {early[len(early) // 2]:.0f} MB in the 2nd quarter, "
           f"{late[len(late) // 2]:.0f} MB in the 4th: growth {growth:+.1f} MB")  # fmt: skip
     assert growth < 20
-    assert len(os.listdir("/proc/self/fd")) == fds  # no file left open
-    assert threading.active_count() == threads  # no thread left running
+    assert len(os.listdir("/proc/self/fd")) <= fds  # no file left open
+    # No thread left running: compared as sets, since a thread of an earlier test (tqdm's monitor, a server)
+    # may end during the soak, which a count would read as a leak.
+    assert set(threading.enumerate()) <= threads
     assert children() == []  # no DataLoader worker left behind

@@ -9,9 +9,9 @@ from PIL import Image
 
 from conftest import SMALL_ENCODER, assert_same_weights, run_weights
 from vitkit import training
-from vitkit.data import ImageFolder, get_dataset
+from vitkit.data import ImageFolder, get_dataset, pack_image_folder
 from vitkit.recipes import TrainConfig
-from vitkit.shards import ShardedDataset, pack_image_folder
+from vitkit.shards import ShardedDataset
 from vitkit.training import train
 
 
@@ -147,3 +147,18 @@ def test_a_run_on_packed_shards_stopped_and_resumed_is_bit_identical(tmp_path):
     assert stopped.interrupted and stopped.step == 4
     assert train(resume=tmp_path / "split").step == 12
     assert_same_weights(run_weights(tmp_path / "whole"), run_weights(tmp_path / "split"))
+
+
+def test_a_dead_worker_of_a_packed_stream_is_reported_not_waited_on(packed, monkeypatch):
+    import os
+    import signal
+
+    from vitkit import shards
+    from vitkit.errors import WorkerError
+
+    _, out, _ = packed
+    dataset = ShardedDataset("train", out)
+    monkeypatch.setattr(shards, "read_image", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))  # in the worker
+    stream = dataset.stream(epoch=0, seed=0, rank=0, world_size=1, workers=1, micro=2, start=0, stop=1)
+    with pytest.raises(WorkerError, match=r"a data-loading worker process died .*--workers"):
+        list(stream)

@@ -17,13 +17,14 @@ def module_name(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the vitkit modules it imports at module level (relative imports, as the package writes them)."""
+    """Module -> the vitkit modules it imports anywhere: at module level, or deferred inside a function (relative
+    imports, as the package writes them)."""
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps: set[str] = set()
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 if node.module:

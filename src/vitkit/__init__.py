@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .architectures import create_model
-from .checkpoints import export, load_checkpoint, load_pretrained
+from .checkpoints import create_model, export, load_checkpoint, load_pretrained
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .errors import CheckpointError, ImageError

@@ -3,9 +3,10 @@ the BiT-style ResNet baseline the paper compares it with (`resnet.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from .config import ViTConfig, decode_variant
+from .config import ViTConfig, check_fields, check_type, decode_variant
 from .model import VisionTransformer
 from .resnet import ARCHITECTURE, BiTConfig, ResNetClassifier, decode_bit, is_bit_name
 
@@ -13,17 +14,23 @@ Model = VisionTransformer | ResNetClassifier
 ModelConfig = ViTConfig | BiTConfig
 
 
-def create_model(name: str, pretrained: str | None = None, **overrides: Any) -> Model:
-    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)` or the
-    baseline `create_model("BiT-R26", num_classes=10, image_size=28)`; with `pretrained="imagenet21k"` (a tag of
-    `vitkit pretrained`) its released weights, adapted to the overrides."""
-    if pretrained is not None:
-        from .checkpoints import load_pretrained  # the facade sits above this module
-
-        return load_pretrained(f"{name}:{pretrained}", **overrides)
+def new_model(name: str, **overrides: Any) -> Model:
+    """A freshly initialised variant by its paper name, e.g. `new_model("ViT-B/16", num_classes=10, image_size=384)`
+    or the baseline `new_model("BiT-R26", num_classes=10, image_size=28)`. (`vitkit.create_model` adds released
+    weights by name on top of this.)"""
     if is_bit_name(name):
         return ResNetClassifier(decode_bit(name, **overrides))
     return VisionTransformer(decode_variant(name, **overrides))
+
+
+def check_overrides(name: str, overrides: dict[str, Any]) -> None:
+    """The ValueError `new_model(name, **overrides)` would raise for an unknown field or a value of the wrong
+    type, found without building anything (so that a run fails before it loads its data)."""
+    cls = BiTConfig if is_bit_name(name) else ViTConfig
+    check_fields(cls, overrides)
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    for key, value in overrides.items():
+        check_type(key, value, types[key])
 
 
 def config_from_dict(data: dict[str, Any]) -> ModelConfig:

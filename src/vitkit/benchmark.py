@@ -242,7 +242,12 @@ def bench(
     }
     groups = [(size, batch) for size in image_sizes for batch in batch_sizes]
     per_group = len(precisions) * (1 + len(modes) + (1 + compile) * train)
-    bar = tqdm(total=len(groups) * per_group * (rounds + 1), desc="vitkit bench", disable=not progress, unit="cell")
+    bar = tqdm(
+        total=len(groups) * per_group * (rounds + 1),
+        desc="vitkit bench",
+        disable=None if progress else True,
+        unit="cell",
+    )
     for size in image_sizes:
         config = base.replace(image_size=size)
         net = VisionTransformer(config).to(device).eval()

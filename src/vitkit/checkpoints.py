@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from . import formats, pretrained
-from .architectures import Model
+from .architectures import Model, new_model
 from .config import ViTConfig, check_fields
 from .errors import CheckpointError
 from .model import VisionTransformer
@@ -102,17 +102,29 @@ def load_pretrained(
     return load_checkpoint(path, image_size=image_size, num_classes=num_classes, **{**arguments, **overrides})
 
 
+def create_model(name: str, pretrained: str | None = None, **overrides) -> Model:
+    """Build a variant by its paper name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)` or the
+    baseline `create_model("BiT-R26", num_classes=10, image_size=28)`; with `pretrained="imagenet21k"` (a tag of
+    `vitkit pretrained`) its released weights, adapted to the overrides."""
+    if pretrained is not None:
+        return load_pretrained(f"{name}:{pretrained}", **overrides)
+    return new_model(name, **overrides)
+
+
 def export(model: Model, path: str | os.PathLike, format: str = "vitkit") -> None:
     """Write `model` in `format` (atomically): "vitkit" (a file), "hf" (a directory), "timm" (a safetensors
-    state dict) or "npz" (the official layout). Class names travel in vitkit and timm metadata and in Hugging
-    Face's id2label. A BiT ResNet baseline is written in vitkit's format only."""
+    state dict; a path without a suffix: timm's hub directory) or "npz" (the official layout). Class names travel
+    in vitkit and timm metadata and in Hugging Face's id2label. A BiT ResNet baseline is written in vitkit's
+    format only."""
     if not isinstance(model, VisionTransformer) and format != "vitkit":
         raise ValueError(f"format={format!r} holds Vision Transformers only: export a {type(model).__name__} with "
                          "format='vitkit'.")  # fmt: skip
     module = formats.get_format(format)
     path = Path(path)
-    if format == "hf" and path.exists() and not path.is_dir():
-        raise FileExistsError(f"{path} is a file, and the Hugging Face format is a directory: give a new path.")
-    if format != "hf" and path.is_dir():
+    directory = format == "hf" or (format == "timm" and not path.suffix)  # the layouts that are a directory
+    if directory and path.exists() and not path.is_dir():
+        layout = "the Hugging Face format" if format == "hf" else "timm's hub layout (a path without a suffix)"
+        raise FileExistsError(f"{path} is a file, and {layout} is a directory: give a new path.")
+    if not directory and path.is_dir():
         raise IsADirectoryError(f"{path} is a directory, and the {format} format is one file: give a file path.")
     module.export(model, path)

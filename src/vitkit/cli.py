@@ -101,7 +101,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_data_pack(args: argparse.Namespace) -> int:
     """Pack an image folder into Parquet shards for streaming (datasets larger than memory)."""
-    from .shards import pack_image_folder
+    from .data import pack_image_folder
 
     index = pack_image_folder(
         args.root, args.out, samples_per_shard=args.samples_per_shard, val_fraction=args.val_fraction, seed=args.seed
@@ -127,14 +127,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from .benchmark import bench, format_bench, write_bench
+    from .distributed import resolve_device
 
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = bench(
         args.model, image_sizes=tuple(args.image_size), batch_sizes=tuple(args.batch_size),
         precisions=tuple(args.precision), modes=tuple(args.mode), train=args.train, compile=args.compile,
         rounds=args.rounds, min_seconds=args.min_seconds, memory_budget_gb=args.memory_budget_gb,
-        device=args.device, **args.model_args,
+        device=resolve_device(args.device), **args.model_args,
     )  # fmt: skip
     print(format_bench(result))
     if args.out:
@@ -282,6 +285,16 @@ def _placed(model, args: argparse.Namespace):
 OPTION_ALIASES = {"trainable": ["--train"]}
 
 
+def _choices(name: str) -> tuple[str, ...] | None:
+    """A TrainConfig field's valid values, from its registry: `field_help`'s, and for `data` the dataset registry
+    (data.py sits below recipes.py, which therefore cannot name them)."""
+    if name == "data":
+        from .data import DATASETS
+
+        return tuple(sorted(DATASETS))
+    return field_help(name)[1]
+
+
 def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
     """One --option per TrainConfig field (dashes for underscores), described by the field's own help and
     choices, with this command's defaults (TrainConfig's, with `preset` on top); unset options keep the value."""
@@ -292,7 +305,7 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
     defaults = TrainConfig(**preset)
     for name, kind in field_types().items():
         flags, default = ["--" + name.replace("_", "-"), *OPTION_ALIASES.get(name, [])], getattr(defaults, name)
-        text, choices = field_help(name)
+        text, choices = field_help(name)[0], _choices(name)
         if choices:
             text += f" ({'|'.join(choices)})"
         if default is not None:
@@ -385,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
-    datasets = field_help("data")[1] or ()
+    datasets = _choices("data") or ()
     source.add_argument("--data", default="shapes", choices=datasets, metavar="DATA",
                         help=f"dataset to take images from ({'|'.join(datasets)}); default shapes")  # fmt: skip
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
@@ -414,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
     p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")
     p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help=field_help("precision")[0])
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="arithmetic of the forward passes: bf16 autocasts matrix products (default fp32)")  # fmt: skip
     _add_execution_options(p)
     p.add_argument("--fewshot", metavar="K,K,...", help="few-shot linear accuracy with K images per class, e.g. 1,5,10")
     p.add_argument("--draws", type=int, default=5, help="random draws of the shots to average (default 5)")
@@ -442,9 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = data.add_parser("pack", help="write an image folder's train and test splits as Parquet shards")
     p.add_argument("root", help="image folder: ROOT/<class>/<image>, or ROOT/train and ROOT/val (or test)")
     p.add_argument("out", help="output directory (then: vitkit train --data shards --data-dir OUT)")
-    p.add_argument("--samples-per-shard", type=int, default=1000, help="about this many images per shard")
+    p.add_argument(
+        "--samples-per-shard", type=int, default=1000, help="about this many images per shard (default 1000)"
+    )
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out for test without ROOT/val (0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the order the samples are written in")
+    p.add_argument("--seed", type=int, default=0, help="seed of the order the samples are written in (default 0)")
     p.set_defaults(func=cmd_data_pack)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
@@ -462,16 +478,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-args", type=_mapping, default={}, metavar="JSON|K=V,...", help="ViTConfig overrides")
     p.add_argument("--image-size", type=int, nargs="+", default=[224], help="resolutions (default 224)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
-    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=BENCH_PRECISIONS)
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=BENCH_PRECISIONS,
+                   help="arithmetic to time (default fp32 bf16; bf16 is slow where the CPU emulates it)")  # fmt: skip
     p.add_argument("--mode", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES,
                    help="plain model(x) and/or the vitkit.optimize copy (default both)")  # fmt: skip
     p.add_argument("--no-train", dest="train", action="store_false", help="leave out the training step")
     p.add_argument("--compile", action="store_true", help="also time a torch.compile'd training step")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, the median kept (default 3)")
-    p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timing per cell and round")
+    p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timing per cell and round (default 0.2)")
     p.add_argument("--memory-budget-gb", type=float, help="report the largest batch that fits this memory")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    _add_execution_options(p)
     p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
     p.set_defaults(func=cmd_bench)
     return parser

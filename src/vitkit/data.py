@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from .errors import ImageError
 from .images import SUFFIXES, SkipLog, check_image, read_image
+from .shards import ShardedDataset, pack_splits
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond")
 
@@ -440,14 +441,24 @@ DATASETS: dict[str, Callable[..., LabelledDataset]] = {
     "cifar100": lambda split="train", **kw: CIFAR(split, num_classes=100, **kw),
     "imagefolder": ImageFolder,
     "shapes": ShapesDataset,
-    "shards": lambda split="train", **kw: _sharded(split, **kw),
+    "shards": ShardedDataset,
 }
 
 
-def _sharded(split: str, **kwargs: Any) -> LabelledDataset:
-    from .shards import ShardedDataset  # shards.py builds on this module
-
-    return ShardedDataset(split, **kwargs)
+def pack_image_folder(
+    root: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    samples_per_shard: int = 1000,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+) -> dict:
+    """Write the train and test splits of the image folder `root` (as `imagefolder` splits it) as Parquet shards of
+    about `samples_per_shard` samples in `out_dir` (`shards.pack_splits`); returns the index it writes."""
+    if not Path(root).is_dir():
+        raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
+    splits = {split: ImageFolder(split, root, val_fraction=val_fraction) for split in ("train", "test")}
+    return pack_splits(splits, out_dir, samples_per_shard=samples_per_shard, seed=seed, source=str(root))
 
 
 def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:

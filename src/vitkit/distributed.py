@@ -14,15 +14,14 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-if TYPE_CHECKING:
-    from .model import VisionTransformer
+from .files import fsync
 
 
 @dataclass(frozen=True)
@@ -126,6 +125,12 @@ def wrap_model(model: nn.Module, world: World, strategy: str, precision: str = "
         if world.size == 1:
             return model
         return DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ValueError(
+            f"strategy='fsdp' shards a Vision Transformer block by block; a {type(model).__name__} has no encoder "
+            "blocks: train it with --strategy ddp (the baselines are small enough to replicate)."
+        )
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     join_group(world)
@@ -134,7 +139,7 @@ def wrap_model(model: nn.Module, world: World, strategy: str, precision: str = "
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    for block in cast("VisionTransformer", model).blocks:
+    for block in blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -194,10 +199,13 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
     if dist.get_rank() == 0:
         (tmp / STATE_JSON).write_text(json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
+        fsync(tmp / STATE_JSON)  # DCP fsyncs its own files
+        fsync(tmp)
         old = path.with_name(f".{path.name}.old")
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
+        fsync(path.parent)
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 

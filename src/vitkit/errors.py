@@ -6,6 +6,10 @@ Both are `ValueError`s, so code that already catches `ValueError` (the CLI's exi
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -34,6 +38,20 @@ class ImageError(ValueError):
 
 class WorkerError(RuntimeError):
     """A DataLoader worker process died (killed, out of memory): reported at once instead of waited on."""
+
+
+def reporting_dead_workers(batches: Iterable[T]) -> Iterator[T]:
+    """The batches of a DataLoader, with the death of one of its worker processes raised as a WorkerError that
+    says what to do (torch's own RuntimeError names only the worker)."""
+    try:
+        yield from batches
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        raise WorkerError(
+            f"a data-loading worker process died ({e}). If memory ran out, lower --workers; --workers 0 decodes "
+            "in the main process, where an error names its file."
+        ) from e
 
 
 class NonFiniteError(RuntimeError):

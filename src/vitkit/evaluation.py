@@ -18,7 +18,7 @@ from .architectures import Model
 from .augment import eval_batch
 from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset
 from .distributed import World, all_reduce_sum, is_sharded
-from .errors import ImageError, WorkerError
+from .errors import ImageError, reporting_dead_workers
 from .images import SkipLog, read_image
 
 
@@ -79,18 +79,10 @@ def batches(dataset: LabelledDataset, index_batches: list[list[int]], workers: i
     skipped = getattr(dataset, "skipped", None)
     if skipped is None:
         skipped = SkipLog()
-    try:
-        for images, labels, failed in loader:
-            for error in failed:
-                skipped.add(error)
-            yield images, labels
-    except RuntimeError as e:
-        if "DataLoader worker" not in str(e):
-            raise
-        raise WorkerError(
-            f"a data-loading worker process died ({e}). If memory ran out, lower --workers; --workers 0 decodes "
-            "in the main process, where an error names its file."
-        ) from e
+    for images, labels, failed in reporting_dead_workers(loader):
+        for error in failed:
+            skipped.add(error)
+        yield images, labels
 
 
 def _collate(samples: list[tuple[torch.Tensor | ImageError, int]]):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .architectures import Model, create_model
+from .architectures import Model, new_model
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig
 from .efficiency import count_params, flops
@@ -85,7 +85,7 @@ PRESETS: dict[str, Preset] = {
         name="small",
         base=dict(data="fashion-mnist", batch_size=128, steps=400, eval_every=0, log_every=50),
         vit=dict(model="ViT-Ti/4", model_args=SMALL_MODEL_ARGS),  # 28 px, 7x7 patches of 4 px: the main job
-        bit=dict(model="BiT-R26", model_args={"units": [1, 1]}),  # "BiT-R8": 1.4x the ViT's FLOPs
+        bit=dict(model="BiT-R26", model_args={"units": [1, 1]}),  # "BiT-R8": 1.6x the ViT's FLOPs
         hybrid=dict(model="R50+ViT-Ti/16", model_args={**SMALL_MODEL_ARGS, "hybrid": {"units": [1]}}),
         subsets=(1000, 3000, 10000, 30000, 60000),
         pretrained_subsets=(1000, 10000),
@@ -310,7 +310,7 @@ def stand_in_checkpoint(out: Path, preset: Preset) -> str:
         with torch.random.fork_rng():
             torch.manual_seed(0)
             size = preset.pretrained_train["image_size"]
-            export(create_model(preset.vit["model"], image_size=size, num_classes=10, **preset.vit["model_args"]), path)
+            export(new_model(preset.vit["model"], image_size=size, num_classes=10, **preset.vit["model_args"]), path)
     return str(path)
 
 
@@ -347,7 +347,7 @@ def experiment(
             f"load_checkpoint reads, or a name it resolves such as {PRETRAINED!r}), or use --preset tiny."
         ) from e
     records, counts = [], {"trained": 0, "measured": 0}
-    bar = tqdm(runs, desc=f"{name} ({preset})", unit="run", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(runs, desc=f"{name} ({preset})", unit="run", disable=None if progress else True, dynamic_ncols=True)
     for run in bar:
         bar.set_postfix_str(", ".join(f"{k}={v}" for k, v in run.labels.items()))
         records.append(execute(run, p, out / "runs", threads, counts))
@@ -377,12 +377,19 @@ def _write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def run_key(run: Run) -> str:
+    """The name of a run's directory: a hash of its resolved config (defaults filled in), not of the fields as
+    written, so that two experiments that train the same model share the training."""
+    train = None if run.train is None else TrainConfig.from_dict(run.train).to_dict()
+    return config_hash({"train": train, "checkpoint": run.checkpoint, "image_size": run.image_size})
+
+
 def execute(run: Run, preset: Preset, runs_dir: Path, threads: int, counts: dict[str, int]) -> dict[str, Any]:
     """The record of one run: train it (or continue its training) unless done, measure it unless done."""
     from .data import get_dataset
     from .training import load_datasets
 
-    key = config_hash({"train": run.train, "checkpoint": run.checkpoint, "image_size": run.image_size})
+    key = run_key(run)
     run_dir = runs_dir / key
     measure = {"measure": run.measure, "shots": preset.shots, "draws": preset.draws, "l2": preset.l2,
                "attention_images": preset.attention_images, "fewshot_test": preset.fewshot_test,

@@ -4,12 +4,15 @@ before allocating, and raise `CheckpointError` naming the file (and key) when it
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import struct
 import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +39,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; give it the usual permissions
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
@@ -44,10 +47,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
             kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
             raise OSError(e.errno, f"{path}: writing failed ({e.strerror or e}); {kept}") from e
         raise
-    _fsync(path.parent)
+    fsync(path.parent)
 
 
-def _fsync(path: str | os.PathLike) -> None:
+def fsync(path: str | os.PathLike) -> None:
     """Flush a file's (or a directory's entries') data to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -64,6 +67,7 @@ def read_safetensors(path: str | os.PathLike) -> tuple[Tensors, dict[str, str]]:
     safetensors reader checks the header against the file's size before reading any tensor)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file.")
+    _refuse_duplicate_names(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
@@ -72,6 +76,33 @@ def read_safetensors(path: str | os.PathLike) -> tuple[Tensors, dict[str, str]]:
             path, f"not a readable safetensors file ({type(e).__name__}: {str(e)[:300]}). "
             "Is it truncated or of another format?",
         ) from e  # fmt: skip
+
+
+SAFETENSORS_MAX_HEADER = 100 * 2**20  # the safetensors reader's own limit
+
+
+def _refuse_duplicate_names(path: str | os.PathLike) -> None:
+    """A CheckpointError naming a tensor the header lists twice: JSON readers keep the last silently, so two
+    writers' tensors could hide behind one name. Headers the safetensors reader refuses are left to it."""
+    with open(path, "rb") as f:
+        size = f.read(8)
+        if len(size) < 8 or not 2 <= (n := struct.unpack("<Q", size)[0]) <= SAFETENSORS_MAX_HEADER:
+            return
+        header = f.read(n)
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        names = [k for k, _ in items]
+        for name in names:
+            if names.count(name) > 1:
+                raise CheckpointError(path, "the safetensors header names this tensor twice.", name)
+        return dict(items)
+
+    try:
+        json.loads(header, object_pairs_hook=pairs)
+    except CheckpointError:
+        raise
+    except ValueError:  # not JSON: the safetensors reader names the problem
+        return
 
 
 def safetensors_metadata(path: str | os.PathLike) -> dict[str, str] | None:

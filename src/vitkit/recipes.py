@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,15 @@ from torch import nn
 from .config import check_fields, check_type
 from .distributed import STRATEGIES
 
-OPTIMIZERS = ("adamw", "sgd")
-SCHEDULES = ("cosine", "linear")
+# The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
+OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
+    "adamw": lambda groups, c: torch.optim.AdamW(groups, lr=c.lr, betas=c.betas),
+    "sgd": lambda groups, c: torch.optim.SGD(groups, lr=c.lr, momentum=c.momentum),
+}
+SCHEDULES: dict[str, Callable[[float], float]] = {  # the factor of the peak rate at `progress` (0 to 1) of the decay
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "linear": lambda progress: 1.0 - progress,
+}
 PRECISIONS = ("fp32", "bf16")
 TRAINABLE = ("full", "head", "attention", "mlp")
 NONFINITE = ("stop", "skip")
@@ -49,17 +57,11 @@ FINETUNE_DEFAULTS = {
 
 def _field(default: Any, help: str, choices: Any = None) -> Any:
     """A TrainConfig field with its one-line description (the command-line help) and, where the values come from
-    a registry, its `choices` (a tuple, or a function returning one, read when the help is built)."""
+    a registry, its `choices`."""
     metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=metadata)
     return field(default=default, metadata=metadata)
-
-
-def _dataset_names() -> tuple[str, ...]:
-    from .data import DATASETS  # the data stack is imported only when the help is built
-
-    return tuple(sorted(DATASETS))
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class TrainConfig:
     """
 
     # data
-    data: str = _field("fashion-mnist", "dataset to train on", _dataset_names)
+    data: str = _field("fashion-mnist", "dataset to train on")
     data_dir: str | None = _field(None, "directory holding the dataset's files (default: the usual places)")
     data_args: dict = _field({}, "extra dataset arguments, e.g. val_fraction=0.2 for imagefolder")
     image_size: int | None = _field(
@@ -216,7 +218,7 @@ def field_help(name: str) -> tuple[str, tuple[str, ...] | None]:
     """A TrainConfig field's one-line description and its valid values (None: any value of its type)."""
     metadata = next(f.metadata for f in dataclasses.fields(TrainConfig) if f.name == name)
     choices = metadata.get("choices")
-    return metadata["help"], tuple(choices() if callable(choices) else choices) if choices else None
+    return metadata["help"], tuple(choices) if choices else None
 
 
 # Fields a resumed run may change: how long it runs and how often it evaluates and logs, and execution details
@@ -283,10 +285,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """Adam(W) with decoupled weight decay (p -= lr * wd * p, as flax's Adam in the official code) or SGD with
     momentum; the learning rate is set at every step by `learning_rate`."""
-    groups = param_groups(model, config.weight_decay)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
-    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+    return OPTIMIZERS[config.optimizer](param_groups(model, config.weight_decay), config)
 
 
 def learning_rate(step: int, total_steps: int, base_lr: float, warmup_steps: int, schedule: str) -> float:
@@ -294,6 +293,4 @@ def learning_rate(step: int, total_steps: int, base_lr: float, warmup_steps: int
     cosine (or linear) decay to 0 at `total_steps`."""
     lr = base_lr * min(1.0, step / warmup_steps) if warmup_steps else base_lr
     progress = min(max((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0), 1.0)
-    if schedule == "cosine":
-        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return lr * (1.0 - progress)
+    return lr * SCHEDULES[schedule](progress)

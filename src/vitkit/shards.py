@@ -1,6 +1,6 @@
 """Datasets larger than memory: Parquet shards, streamed shard by shard during training.
 
-`pack_image_folder(root, out)` (`vitkit data pack ROOT OUT`) writes each split of an image folder as Parquet
+`data.pack_image_folder(root, out)` (`vitkit data pack ROOT OUT`) writes each split of an image folder as Parquet
 files (one row per image: `key`, `image` = the original file's bytes, `label`; row groups of 100 rows), in a
 fixed shuffled order, balanced (shard sizes differ by at most one), each shard written atomically, then
 `index.json` (classes, shard files and their sample counts), which marks a complete pack. Parquet rather than
@@ -30,15 +30,15 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from .data import ImageFolder
+from .errors import reporting_dead_workers
 from .files import atomic_write
 from .images import read_image
 
@@ -47,27 +47,30 @@ ROW_GROUP = 100
 INDEX = "index.json"
 
 
-def pack_image_folder(
-    root: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    samples_per_shard: int = 1000,
-    val_fraction: float = 0.1,
-    seed: int = 0,
+class FileSplit(Protocol):
+    """A split of image files, as `data.ImageFolder` holds one: (file, label) samples and the class names, with
+    the training augmentation its images want."""
+
+    samples: list[tuple[Path, int]]
+    classes: list[str]
+    crop_scale: tuple[float, float]
+    flip: bool
+
+
+def pack_splits(
+    splits: Mapping[str, FileSplit], out_dir: str | os.PathLike, *, samples_per_shard: int, seed: int, source: str
 ) -> dict:
-    """Write the train and test splits of the image folder `root` (as `imagefolder` splits it) as Parquet shards of
-    about `samples_per_shard` samples in `out_dir`; returns the index also written to `out_dir/index.json`."""
-    if not Path(root).is_dir():
-        raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
+    """Write each of `splits` ("train", "test") as Parquet shards of about `samples_per_shard` samples in
+    `out_dir`, in an order shuffled with `seed`; returns the index also written to `out_dir/index.json`.
+    (`data.pack_image_folder` packs an image folder through this.)"""
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard={samples_per_shard} must be at least 1.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    splits, classes = {}, None
-    for split in ("train", "test"):
-        folder = ImageFolder(split, root, val_fraction=val_fraction)
+    index_splits, classes = {}, None
+    for split, folder in splits.items():
         if classes is not None and folder.classes != classes:
-            raise ValueError(f"{root}: the test split's classes {folder.classes} differ from train's {classes}.")
+            raise ValueError(f"{source}: the {split} split's classes {folder.classes} differ from train's {classes}.")
         classes = folder.classes
         order = np.random.default_rng([seed, split == "test"]).permutation(len(folder.samples))
         shards = []
@@ -76,10 +79,10 @@ def pack_image_folder(
             samples = [folder.samples[i] for i in part]
             atomic_write(out / name, functools.partial(_write_shard, samples=samples, shard=s))
             shards.append({"file": name, "count": len(part)})
-        splits[split] = shards
-    crop_scale, flip = ImageFolder.crop_scale, ImageFolder.flip
-    index = {"format": FORMAT, "classes": classes, "splits": splits, "crop_scale": list(crop_scale), "flip": flip,
-             "source": str(root), "seed": seed}  # fmt: skip
+        index_splits[split] = shards
+    first = next(iter(splits.values()))
+    index = {"format": FORMAT, "classes": classes, "splits": index_splits, "crop_scale": list(first.crop_scale),
+             "flip": first.flip, "source": source, "seed": seed}  # fmt: skip
     text = json.dumps(index, indent=1) + "\n"
     atomic_write(out / INDEX, lambda tmp: Path(tmp).write_text(text))
     return index
@@ -182,7 +185,9 @@ class ShardedDataset(Dataset):
             yield from stream
             return
         # Its own generator: creating the loader then draws no number from the global RNG (exact resumption).
-        yield from DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator())
+        yield from reporting_dead_workers(
+            DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator())
+        )
 
     def _role_samples(self, shards: list[int], epoch: int, seed: int, skip: int) -> Iterator[tuple[bytes, str, int]]:
         """(image bytes, name, label) of `shards` in order, each shard in its permuted order, from sample `skip`."""

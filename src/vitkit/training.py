@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-from .architectures import Model, config_from_dict, create_model, model_from_config
+from .architectures import Model, check_overrides, config_from_dict, model_from_config, new_model
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig
@@ -116,7 +116,7 @@ def initial_model(config: TrainConfig, dataset) -> Model:
         # The dataset's own resolution when it has one (in-memory splits, shapes); 224 for image folders.
         native = tuple(dataset.images.shape[-2:]) if isinstance(dataset, ImageArrayDataset) else None
         size = config.image_size or native or getattr(dataset, "image_size", 224)
-        model = create_model(config.model, image_size=size, num_classes=num_classes, **config.model_args)
+        model = new_model(config.model, image_size=size, num_classes=num_classes, **config.model_args)
     model.class_names = list(dataset.classes)
     return model
 
@@ -204,6 +204,8 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
+    if saved is None and config.checkpoint is None:
+        check_overrides(config.model, config.model_args)  # a typo fails now, not after the data has loaded
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
     model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
