@@ -1,5 +1,6 @@
 import contextlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
     model = small_model(**overrides)
     x = torch.randn(3, 3, 32, 32)
     fast = optimize(model, "fp32")
-    if opt.mkl_packing_available():
+    if opt.packing_available("fp32"):
         assert any(isinstance(m, PackedLinear) for m in fast.modules())
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
@@ -38,7 +39,7 @@ def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
 
 
 def test_packed_linear_equals_f_linear_for_any_leading_shape():
-    if not opt.mkl_packing_available():
+    if not opt.packing_available("fp32"):
         pytest.skip("this torch build has no MKL (torch.ops.mkl._mkl_linear)")
     linear = torch.nn.Linear(24, 40)
     packed = PackedLinear(linear)
@@ -47,15 +48,31 @@ def test_packed_linear_equals_f_linear_for_any_leading_shape():
         torch.testing.assert_close(packed(x), linear(x).detach(), rtol=0, atol=1e-5)
 
 
+def test_bf16_packed_linear_equals_f_linear_in_bf16_for_any_leading_shape():
+    if not opt.packing_available("bf16"):
+        pytest.skip("no native bf16 on this CPU (AVX-512 BF16 / AMX) or no oneDNN: bf16 weights are not packed")
+    linear = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert "oneDNN" in repr(packed)
+    for shape in [(5, 24), (2, 7, 24), (1, 1, 24), (opt.PACKED_MAX_ROWS + 1, 24)]:
+        x = torch.randn(shape, dtype=torch.bfloat16)
+        torch.testing.assert_close(packed(x), linear(x).detach())  # bf16's own tolerance (rtol 1.6e-2)
+
+
 def test_bf16_fast_path_is_within_bf16_rounding_of_the_plain_model():
     model = small_model()
     x = torch.randn(4, 3, 32, 32)
     with pytest.warns(UserWarning, match="emulated") if not opt.bf16_is_native() else contextlib.nullcontext():
         fast = optimize(model, "bf16")
     assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
+    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_available("bf16")
     with torch.no_grad():
         want = model(x)
         got = fast(x)  # fp32 images in, bf16 logits out
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # emulated bf16, where it is: the same warning as above
+            unpacked = optimize(model, "bf16", pack=False)(x)
+        torch.testing.assert_close(got, unpacked)  # the packed kernel computes what F.linear does, to bf16 rounding
         assert got.dtype == torch.bfloat16
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autocast = model(x).float()

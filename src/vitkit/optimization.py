@@ -5,8 +5,9 @@ What it does (each step measured on the machine it was written on; figures in do
 - a copy in eval mode with every parameter frozen, so no autograd state is kept;
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
-- fp32 on CPUs with MKL: every linear layer's weight packed once for MKL's GEMM (`torch.ops.mkl._mkl_linear`,
-  the kernel `torch.compile(freezing)` emits), used for small batches where repacking at every call costs;
+- on CPUs, every linear layer's weight packed once: fp32 for MKL's GEMM (`torch.ops.mkl._mkl_linear`, the kernel
+  `torch.compile(freezing)` emits), used for small batches where repacking at every call costs; bf16 (where
+  native) for oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), at every size;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
@@ -48,13 +49,18 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     return precision
 
 
-# Packing pays where the weight's repacking is a large share of the work: for ViT-S/16's MLP at batch 1
+# fp32: packing pays where the weight's repacking is a large share of the work: for ViT-S/16's MLP at batch 1
 # (197 rows) the packed GEMM ran 1.29x faster, at batch 8 (1,576 rows) 0.97-1.05x (docs/PERFORMANCE.md).
 PACKED_MAX_ROWS = 1024
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight packed once for MKL's GEMM; the same result as `F.linear`."""
+    """`nn.Linear` with its weight packed once for the CPU's GEMM library; the same result as `F.linear`.
+
+    fp32: MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what `torch.compile(freezing)` emits), up to
+    `PACKED_MAX_ROWS` rows. bf16: oneDNN's packed linear (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16
+    kernel), at every size: it skips the weight's reorder for AVX-512 BF16 / AMX at each call (ViT-S/16 batch 1
+    ran 1.17x faster, batch 8 on par, with bit-identical outputs)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -63,19 +69,36 @@ class PackedLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         # The packing takes a batch size hint; the packed layout serves every batch size.
-        self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1), persistent=False)
+        if self.weight.dtype == torch.bfloat16:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        else:
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
+        self.register_buffer("packed", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        if x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.numel() // self.in_features
-        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > PACKED_MAX_ROWS:
+        if rows > PACKED_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for MKL"
+        library = "oneDNN" if self.weight.dtype == torch.bfloat16 else "MKL"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {library}"
 
 
-def mkl_packing_available() -> bool:
+def packing_available(precision: str) -> bool:
+    """Whether this CPU's torch can pack linear weights for `precision` ("fp32": MKL; "bf16": oneDNN, and only
+    where bf16 is native)."""
+    if precision == "bf16":
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bf16_is_native("cpu")
+        )
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
@@ -86,8 +109,8 @@ def optimize(
     rounding), on the model's device.
 
     `precision`: "fp32", "bf16" (weights cast once), or "auto" (bf16 where the hardware has it, else fp32).
-    `pack`: pack linear weights for MKL (default: on CPU in fp32 when MKL is there). `compile`: torch.compile
-    the result (slow to start; for long runs).
+    `pack`: pack linear weights for MKL (fp32) or oneDNN (bf16) (default: on CPU where the library has it).
+    `compile`: torch.compile the result (slow to start; for long runs).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() takes a model (nn.Module), got {type(model).__name__}.")
@@ -105,7 +128,10 @@ def optimize(
     if pack and compile:
         raise ValueError("pack=True and compile=True: choose one; the compiler packs the weights itself (freezing).")
     if pack is None:
-        pack = device.type == "cpu" and precision == "fp32" and not compile and mkl_packing_available()
+        pack = device.type == "cpu" and not compile and packing_available(precision)
+    elif pack and not (device.type == "cpu" and packing_available(precision)):
+        raise ValueError(f"pack=True: this {device.type} cannot pack {precision} linear weights (MKL for fp32; oneDNN "
+                         "with native bf16 for bf16); leave pack=None to pack where it can.")  # fmt: skip
     if pack:
         _replace_linears(fast)
     if compile:  # freezing: weights become constants the compiler can pack and fold
