@@ -171,21 +171,16 @@ def test_inspect_counts_the_occlusion_passes_before_it_starts_and_stride_cuts_th
     assert "trained on grayscale images</b> (given as three equal channels), so the colours of these filters" in page
 
 
-@pytest.mark.slow
-def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_path):
-    """`eval` run for real: through a pipe (a log) no bar; under a pseudo-terminal a bar saying what it does."""
+def on_a_terminal(*args: str) -> bytes:
+    """What the real `python -m vitkit ARGS` writes under a pseudo-terminal 100 columns wide, as a user sees it."""
     import fcntl
     import pty
     import struct
     import termios
 
-    args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100"]
-    logged = run_vitkit(*args)
-    assert logged.returncode == 0, logged.stderr
-    assert "evaluating" not in logged.stderr and "top-1" in logged.stdout
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     pid, fd = pty.fork()
-    if pid == 0:  # the child: stdout and stderr are the terminal, 100 columns wide
+    if pid == 0:  # the child: stdout and stderr are the terminal
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
         os.execve(sys.executable, [sys.executable, "-m", "vitkit", *args], env)
     seen = b""
@@ -197,5 +192,34 @@ def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_p
         if not chunk:
             break
         seen += chunk
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, seen.decode(errors="replace")[-2000:]
+    return seen
+
+
+@pytest.mark.slow
+def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_path):
+    """`eval`, `eval --fewshot` and `data pack` run for real: through a pipe (a log) no bar; under a
+    pseudo-terminal a bar saying what it does."""
+    from test_shards import write_image_folder
+
+    args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100"]
+    logged = run_vitkit(*args)
+    assert logged.returncode == 0, logged.stderr
+    assert "evaluating" not in logged.stderr and "top-1" in logged.stdout
+    seen = on_a_terminal(*args)
     assert b"evaluating: 100%" in seen and b"img" in seen
+
+    fewshot = [*args, "--fewshot", "1", "--draws", "1"]
+    logged = run_vitkit(*fewshot)
+    assert logged.returncode == 0, logged.stderr
+    assert "features" not in logged.stderr and "1-shot" in logged.stdout
+    seen = on_a_terminal(*fewshot)
+    assert b"few-shot train features: 100%" in seen and b"few-shot test features: 100%" in seen
+
+    root = write_image_folder(tmp_path / "photos", per_class=4)
+    logged = run_vitkit("data", "pack", str(root), str(tmp_path / "logged"), "--samples-per-shard", "3")
+    assert logged.returncode == 0, logged.stderr
+    assert "packing" not in logged.stderr and "train: 9 images in 3 shards" in logged.stdout
+    seen = on_a_terminal("data", "pack", str(root), str(tmp_path / "seen"), "--samples-per-shard", "3")
+    assert b"packing train: 100%" in seen and b"packing test: 100%" in seen

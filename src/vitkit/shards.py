@@ -58,11 +58,20 @@ class FileSplit(Protocol):
 
 
 def pack_splits(
-    splits: Mapping[str, FileSplit], out_dir: str | os.PathLike, *, samples_per_shard: int, seed: int, source: str
+    splits: Mapping[str, FileSplit],
+    out_dir: str | os.PathLike,
+    *,
+    samples_per_shard: int,
+    seed: int,
+    source: str,
+    progress: bool = False,
 ) -> dict:
     """Write each of `splits` ("train", "test") as Parquet shards of about `samples_per_shard` samples in
     `out_dir`, in an order shuffled with `seed`; returns the index also written to `out_dir/index.json`.
+    `progress` shows a bar of the images packed per split on a terminal (none in a log).
     (`data.pack_image_folder` packs an image folder through this.)"""
+    from tqdm import tqdm
+
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard={samples_per_shard} must be at least 1.")
     out = Path(out_dir)
@@ -74,11 +83,14 @@ def pack_splits(
         classes = folder.classes
         order = np.random.default_rng([seed, split == "test"]).permutation(len(folder.samples))
         shards = []
+        bar = tqdm(total=len(order), desc=f"packing {split}", unit="img", disable=None if progress else True)
         for s, part in enumerate(np.array_split(order, math.ceil(len(order) / samples_per_shard))):
             name = f"{split}-{s:06d}.parquet"
             samples = [folder.samples[i] for i in part]
             atomic_write(out / name, functools.partial(_write_shard, samples=samples, shard=s))
             shards.append({"file": name, "count": len(part)})
+            bar.update(len(part))
+        bar.close()
         index_splits[split] = shards
     first = next(iter(splits.values()))
     index = {"format": FORMAT, "classes": classes, "splits": index_splits, "crop_scale": list(first.crop_scale),
