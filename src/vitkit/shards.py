@@ -18,7 +18,8 @@ Training (`--data shards --data-dir OUT`) streams them. The order of epoch e is 
 Every epoch has the same number of steps on every process, computed from the shard sizes before reading
 (the smallest share any role can get), so processes never wait for one another at the end of an epoch;
 samples beyond it (a few when shards do not divide evenly over processes x workers) are left out of that
-epoch, different ones each epoch. Decoding happens in the DataLoader workers. A resumed run continues exactly:
+epoch, different ones each epoch. Decoding happens in the DataLoader workers. A run resumed with the same
+numbers of processes and workers continues exactly (`training.check_data_order` refuses other numbers):
 micro-batch k is found by arithmetic, whole shards are skipped unread, and the DataLoader's workers take the
 roles in the rotated order. `ShardedDataset[i]` also reads any single sample (by row group), for evaluation.
 """
