@@ -223,3 +223,43 @@ def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_p
     assert "packing" not in logged.stderr and "train: 9 images in 3 shards" in logged.stdout
     seen = on_a_terminal("data", "pack", str(root), str(tmp_path / "seen"), "--samples-per-shard", "3")
     assert b"packing train: 100%" in seen and b"packing test: 100%" in seen
+
+
+# --- data pack -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, capsys):
+    """`vitkit data pack` run for real on a small image folder; the shards hold the folder's split pixel for pixel,
+    and `train` (one step) and `eval` run on them; a resume with other workers is refused on the command line."""
+    from collections import Counter
+
+    from test_shards import fingerprint, write_image_folder
+    from vitkit.data import ImageFolder
+    from vitkit.shards import ShardedDataset
+
+    root, out, run = write_image_folder(tmp_path / "photos", per_class=4), tmp_path / "packed", tmp_path / "run"
+    done = run_vitkit("data", "pack", str(root), str(out), "--samples-per-shard", "3")
+    assert done.returncode == 0, done.stderr
+    assert "train: 9 images in 3 shards" in done.stdout and "test: 3 images in 1 shards" in done.stdout
+    assert f"--data shards --data-dir {out}" in done.stdout
+    for split in ("train", "test"):
+        packed, folder = ShardedDataset(split, out), ImageFolder(split, root, val_fraction=0.1)
+        assert packed.classes == folder.classes == ["cat", "dog", "owl"]
+        assert Counter(fingerprint(*packed[i]) for i in range(len(packed))) == Counter(
+            fingerprint(*folder[i]) for i in range(len(folder))
+        )
+    data = ["--data", "shards", "--data-dir", str(out)]
+    model = [
+        "--model",
+        "ViT-Ti/8",
+        "--model-args",
+        '{"hidden_size": 16, "num_layers": 1, "mlp_dim": 32, "num_heads": 2}',
+    ]
+    train_args = [*data, *model, "--image-size", "16", "--batch-size", "3", "--steps", "1", "--threads", "1"]
+    assert main(["train", *train_args, "--eval-every", "0", "--out-dir", str(run)]) == 0
+    assert main(["eval", "--checkpoint", str(run / "model.safetensors"), *data]) == 0
+    assert "(3 images)" in capsys.readouterr().out
+    assert main(["train", "--resume", str(run), "--steps", "2", "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "saved with 1 process(es) and --workers 0" in err and "Resume it with 1 process(es)" in err
