@@ -171,21 +171,16 @@ def test_inspect_counts_the_occlusion_passes_before_it_starts_and_stride_cuts_th
     assert "trained on grayscale images</b> (given as three equal channels), so the colours of these filters" in page
 
 
-@pytest.mark.slow
-def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_path):
-    """`eval` run for real: through a pipe (a log) no bar; under a pseudo-terminal a bar saying what it does."""
+def on_a_terminal(*args: str) -> bytes:
+    """What the real `python -m vitkit ARGS` writes under a pseudo-terminal 100 columns wide, as a user sees it."""
     import fcntl
     import pty
     import struct
     import termios
 
-    args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100"]
-    logged = run_vitkit(*args)
-    assert logged.returncode == 0, logged.stderr
-    assert "evaluating" not in logged.stderr and "top-1" in logged.stdout
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     pid, fd = pty.fork()
-    if pid == 0:  # the child: stdout and stderr are the terminal, 100 columns wide
+    if pid == 0:  # the child: stdout and stderr are the terminal
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
         os.execve(sys.executable, [sys.executable, "-m", "vitkit", *args], env)
     seen = b""
@@ -197,5 +192,74 @@ def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_p
         if not chunk:
             break
         seen += chunk
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, seen.decode(errors="replace")[-2000:]
+    return seen
+
+
+@pytest.mark.slow
+def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_path):
+    """`eval`, `eval --fewshot` and `data pack` run for real: through a pipe (a log) no bar; under a
+    pseudo-terminal a bar saying what it does."""
+    from test_shards import write_image_folder
+
+    args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100"]
+    logged = run_vitkit(*args)
+    assert logged.returncode == 0, logged.stderr
+    assert "evaluating" not in logged.stderr and "top-1" in logged.stdout
+    seen = on_a_terminal(*args)
     assert b"evaluating: 100%" in seen and b"img" in seen
+
+    fewshot = [*args, "--fewshot", "1", "--draws", "1"]
+    logged = run_vitkit(*fewshot)
+    assert logged.returncode == 0, logged.stderr
+    assert "features" not in logged.stderr and "1-shot" in logged.stdout
+    seen = on_a_terminal(*fewshot)
+    assert b"few-shot train features: 100%" in seen and b"few-shot test features: 100%" in seen
+
+    root = write_image_folder(tmp_path / "photos", per_class=4)
+    logged = run_vitkit("data", "pack", str(root), str(tmp_path / "logged"), "--samples-per-shard", "3")
+    assert logged.returncode == 0, logged.stderr
+    assert "packing" not in logged.stderr and "train: 9 images in 3 shards" in logged.stdout
+    seen = on_a_terminal("data", "pack", str(root), str(tmp_path / "seen"), "--samples-per-shard", "3")
+    assert b"packing train: 100%" in seen and b"packing test: 100%" in seen
+
+
+# --- data pack -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, capsys):
+    """`vitkit data pack` run for real on a small image folder; the shards hold the folder's split pixel for pixel,
+    and `train` (one step) and `eval` run on them; a resume with other workers is refused on the command line."""
+    from collections import Counter
+
+    from test_shards import fingerprint, write_image_folder
+    from vitkit.data import ImageFolder
+    from vitkit.shards import ShardedDataset
+
+    root, out, run = write_image_folder(tmp_path / "photos", per_class=4), tmp_path / "packed", tmp_path / "run"
+    done = run_vitkit("data", "pack", str(root), str(out), "--samples-per-shard", "3")
+    assert done.returncode == 0, done.stderr
+    assert "train: 9 images in 3 shards" in done.stdout and "test: 3 images in 1 shards" in done.stdout
+    assert f"--data shards --data-dir {out}" in done.stdout
+    for split in ("train", "test"):
+        packed, folder = ShardedDataset(split, out), ImageFolder(split, root, val_fraction=0.1)
+        assert packed.classes == folder.classes == ["cat", "dog", "owl"]
+        assert Counter(fingerprint(*packed[i]) for i in range(len(packed))) == Counter(
+            fingerprint(*folder[i]) for i in range(len(folder))
+        )
+    data = ["--data", "shards", "--data-dir", str(out)]
+    model = [
+        "--model",
+        "ViT-Ti/8",
+        "--model-args",
+        '{"hidden_size": 16, "num_layers": 1, "mlp_dim": 32, "num_heads": 2}',
+    ]
+    train_args = [*data, *model, "--image-size", "16", "--batch-size", "3", "--steps", "1", "--threads", "1"]
+    assert main(["train", *train_args, "--eval-every", "0", "--out-dir", str(run)]) == 0
+    assert main(["eval", "--checkpoint", str(run / "model.safetensors"), *data]) == 0
+    assert "(3 images)" in capsys.readouterr().out
+    assert main(["train", "--resume", str(run), "--steps", "2", "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "saved with 1 process(es) and --workers 0" in err and "Resume it with 1 process(es)" in err

@@ -1,5 +1,6 @@
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -10,9 +11,11 @@ from PIL import Image
 from conftest import SMALL_ENCODER, assert_same_weights, run_weights
 from vitkit import training
 from vitkit.data import ImageFolder, get_dataset, pack_image_folder
+from vitkit.distributed import World
 from vitkit.recipes import TrainConfig
+from vitkit.runs import read_checkpoint
 from vitkit.shards import ShardedDataset
-from vitkit.training import train
+from vitkit.training import check_data_order, train
 
 
 def write_image_folder(root, per_class: int = 12, classes=("cat", "dog", "owl")):
@@ -145,8 +148,29 @@ def test_a_run_on_packed_shards_stopped_and_resumed_is_bit_identical(tmp_path):
     train(small_run(tmp_path / "whole", **spec))
     stopped = train(small_run(tmp_path / "split", **spec), stop_after=4)  # inside the first epoch
     assert stopped.interrupted and stopped.step == 4
+    # Another worker count would stream another order: refused, naming both counts, the run left as it was.
+    with pytest.raises(ValueError, match=r"saved with 1 process\(es\) and --workers 2, and would now run with 1 "
+                                         r"and --workers 3.*Resume it with 1 process\(es\).*--workers 2"):  # fmt: skip
+        train(resume=tmp_path / "split", changes={"workers": 3})
+    assert read_checkpoint(tmp_path / "split")["workers"] == 2
     assert train(resume=tmp_path / "split").step == 12
     assert_same_weights(run_weights(tmp_path / "whole"), run_weights(tmp_path / "split"))
+
+
+def test_a_packed_shard_run_refuses_to_resume_with_another_process_count(packed):
+    saved = {"world_size": 2, "workers": 1, "rng": [], "config": "{}"}
+    dataset = ShardedDataset("train", packed[1])
+    with pytest.raises(ValueError, match=r"saved with 2 process\(es\) and --workers 1, and would now run with 1 "):
+        check_data_order(saved, small_run("run", workers=1), World(0, 1, torch.device("cpu")), dataset, Path("run"))
+    # No workers reads the one role in the main process, in the order one worker reads it: allowed.
+    check_data_order(saved, small_run("run", workers=0), World(1, 2, torch.device("cpu")), dataset, Path("run"))
+    # A checkpoint from before the counts were recorded: one RNG state per process, the workers in its config.
+    old = {"rng": [None, None], "config": json.dumps({"workers": 2})}
+    with pytest.raises(ValueError, match=r"saved with 2 process\(es\) and --workers 2"):
+        check_data_order(old, small_run("run", workers=2), World(0, 1, torch.device("cpu")), dataset, Path("run"))
+    # Image folders give the same global batches for any count: no refusal.
+    folder = ImageFolder("train", packed[0], val_fraction=0.25)
+    check_data_order(saved, small_run("run"), World(0, 1, torch.device("cpu")), folder, Path("run"))
 
 
 def test_a_dead_worker_of_a_packed_stream_is_reported_not_waited_on(packed, monkeypatch):

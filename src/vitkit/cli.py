@@ -104,7 +104,12 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
     from .data import pack_image_folder
 
     index = pack_image_folder(
-        args.root, args.out, samples_per_shard=args.samples_per_shard, val_fraction=args.val_fraction, seed=args.seed
+        args.root,
+        args.out,
+        samples_per_shard=args.samples_per_shard,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        progress=True,
     )
     for split, shards in index["splits"].items():
         print(f"{split}: {sum(s['count'] for s in shards)} images in {len(shards)} shards")
@@ -187,7 +192,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     dataset = get_dataset(args.data, args.split, strict=args.strict, **kwargs)
     if args.fewshot:
         shots = _shots(args.fewshot)
-        few = fewshot(model, get_dataset(args.data, "train", **kwargs), dataset, shots, args.draws, args.l2, args.seed)
+        train_set = get_dataset(args.data, "train", **kwargs)
+        few = fewshot(model, train_set, dataset, shots, args.draws, args.l2, args.seed, progress=True)
         print(f"{args.checkpoint} on {args.data} ({args.split}): few-shot linear accuracy, {args.draws} draws")
         for k, acc in few.accuracy.items():
             spread = _std(few.per_draw[k])

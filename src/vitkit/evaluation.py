@@ -240,16 +240,28 @@ class FewShotResult:
 
 
 @torch.no_grad()
-def features(model: Model, dataset: LabelledDataset, indices: list[int], batch_size: int = 500) -> torch.Tensor:
-    """The frozen representation the head sees (the ViT's pre-logits, the ResNet's pooled features), (n, D)."""
+def features(
+    model: Model,
+    dataset: LabelledDataset,
+    indices: list[int],
+    batch_size: int = 500,
+    *,
+    progress: bool = False,
+    desc: str = "features",
+) -> torch.Tensor:
+    """The frozen representation the head sees (the ViT's pre-logits, the ResNet's pooled features), (n, D).
+    `progress` shows a bar named `desc` on a terminal (none in a log)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
     out = []
-    for images, _ in batches(dataset, chunks):
+    bar = tqdm(total=len(indices), desc=desc, unit="img", disable=None if progress else True)
+    for chunk, (images, _) in zip(chunks, batches(dataset, chunks)):
         x = eval_batch(images, model.config.image_size, model.config.in_chans).to(device)
         out.append(model.forward_head(model.forward_features(x), pre_logits=True).double().cpu())
+        bar.update(len(chunk))
+    bar.close()
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, 0, dtype=torch.float64)
 
@@ -275,11 +287,12 @@ def fewshot(
     l2: float = 1.0,
     seed: int = 0,
     max_test: int | None = None,
+    progress: bool = False,
 ) -> FewShotResult:
     """Few-shot linear evaluation as in the paper: for each `shots` and each of `draws` random draws of that many
     training images per class, fit a closed-form regularised least-squares map from the frozen features onto
     {-1, 1} targets, and measure its accuracy on the test split (its first `max_test` images when given).
-    Deterministic for a seed."""
+    Deterministic for a seed. `progress` shows bars of the feature extraction (the slow part) on a terminal."""
     labels = _labels(train_set)
     num_classes = len(train_set.classes)
     by_class = [torch.nonzero(labels == c).flatten().tolist() for c in range(num_classes)]
@@ -295,9 +308,10 @@ def fewshot(
         for d in range(draws):
             chosen[k, d] = [m[i] for m in by_class for i in torch.randperm(len(m), generator=generator)[:k].tolist()]
     needed = sorted({i for idx in chosen.values() for i in idx})
-    train_x = dict(zip(needed, features(model, train_set, needed)))
+    train_x = dict(zip(needed, features(model, train_set, needed, progress=progress, desc="few-shot train features")))
     test_idx = list(range(len(test_set) if max_test is None else min(max_test, len(test_set))))
-    test_x, test_y = features(model, test_set, test_idx), _labels(test_set)[test_idx]
+    test_x = features(model, test_set, test_idx, progress=progress, desc="few-shot test features")
+    test_y = _labels(test_set)[test_idx]
     per_draw: dict[int, list[float]] = {k: [] for k in shots}
     for (k, _), idx in chosen.items():
         w = least_squares_fit(torch.stack([train_x[i] for i in idx]), labels[idx], num_classes, l2)

@@ -18,7 +18,8 @@ Training (`--data shards --data-dir OUT`) streams them. The order of epoch e is 
 Every epoch has the same number of steps on every process, computed from the shard sizes before reading
 (the smallest share any role can get), so processes never wait for one another at the end of an epoch;
 samples beyond it (a few when shards do not divide evenly over processes x workers) are left out of that
-epoch, different ones each epoch. Decoding happens in the DataLoader workers. A resumed run continues exactly:
+epoch, different ones each epoch. Decoding happens in the DataLoader workers. A run resumed with the same
+numbers of processes and workers continues exactly (`training.check_data_order` refuses other numbers):
 micro-batch k is found by arithmetic, whole shards are skipped unread, and the DataLoader's workers take the
 roles in the rotated order. `ShardedDataset[i]` also reads any single sample (by row group), for evaluation.
 """
@@ -58,11 +59,20 @@ class FileSplit(Protocol):
 
 
 def pack_splits(
-    splits: Mapping[str, FileSplit], out_dir: str | os.PathLike, *, samples_per_shard: int, seed: int, source: str
+    splits: Mapping[str, FileSplit],
+    out_dir: str | os.PathLike,
+    *,
+    samples_per_shard: int,
+    seed: int,
+    source: str,
+    progress: bool = False,
 ) -> dict:
     """Write each of `splits` ("train", "test") as Parquet shards of about `samples_per_shard` samples in
     `out_dir`, in an order shuffled with `seed`; returns the index also written to `out_dir/index.json`.
+    `progress` shows a bar of the images packed per split on a terminal (none in a log).
     (`data.pack_image_folder` packs an image folder through this.)"""
+    from tqdm import tqdm
+
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard={samples_per_shard} must be at least 1.")
     out = Path(out_dir)
@@ -74,11 +84,14 @@ def pack_splits(
         classes = folder.classes
         order = np.random.default_rng([seed, split == "test"]).permutation(len(folder.samples))
         shards = []
+        bar = tqdm(total=len(order), desc=f"packing {split}", unit="img", disable=None if progress else True)
         for s, part in enumerate(np.array_split(order, math.ceil(len(order) / samples_per_shard))):
             name = f"{split}-{s:06d}.parquet"
             samples = [folder.samples[i] for i in part]
             atomic_write(out / name, functools.partial(_write_shard, samples=samples, shard=s))
             shards.append({"file": name, "count": len(part)})
+            bar.update(len(part))
+        bar.close()
         index_splits[split] = shards
     first = next(iter(splits.values()))
     index = {"format": FORMAT, "classes": classes, "splits": index_splits, "crop_scale": list(first.crop_scale),

@@ -217,6 +217,8 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     net = wrap_model(model, world, config.strategy, config.precision)  # FSDP shards in place: before the optimiser
     optimizer = build_optimizer(model, config)
     torch.manual_seed(config.seed * 1000 + world.rank + 1)  # dropout / stochastic depth differ between ranks
+    if saved is not None:
+        check_data_order(saved, config, world, train_set, run_path)  # before the plan: it depends on the counts
     plan = plan_steps(config, images_per_epoch(train_set, config, world), world)
     run = RunDir(run_path, enabled=world.is_main)
     state = TrainState(config, world, plan, augment_config(config, train_set), model, net, optimizer, run)
@@ -391,6 +393,28 @@ def run_description(state: TrainState, learning: list[str]) -> dict:
     }
 
 
+def check_data_order(saved: dict, config: TrainConfig, world: World, dataset, run_path: Path) -> None:
+    """Refuse to resume a run on packed shards with another number of processes or of DataLoader workers:
+    the shards' order depends on both (`vitkit.shards`), so the run would silently continue in another order,
+    with images of the current epoch seen twice or not at all and other epoch lengths. Image folders and
+    in-memory datasets give the same global batches for any count and resume with any."""
+    if not isinstance(dataset, ShardedDataset):
+        return
+    # Checkpoints from before the counts were recorded: one RNG state per process, the workers in the config.
+    saved_size = int(saved["world_size"] if "world_size" in saved else len(saved["rng"]))
+    saved_workers = int(saved["workers"] if "workers" in saved else json.loads(saved["config"])["workers"])
+    # Without workers the stream is read in the main process as one role, exactly as by one worker.
+    if saved_size == world.size and max(saved_workers, 1) == max(config.workers, 1):
+        return
+    raise ValueError(
+        f"--resume {run_path}: it streams packed shards in an order set by the number of processes and of "
+        f"DataLoader workers; it was saved with {saved_size} process(es) and --workers {saved_workers}, and would "
+        f"now run with {world.size} and --workers {config.workers}, which continues in another order, not the "
+        f"saved run's. Resume it with {saved_size} process(es) (torchrun --nproc_per_node) and --workers "
+        f"{saved_workers}; other counts need a new run (e.g. --checkpoint {run_path}/best.safetensors when it has one)."
+    )
+
+
 def restore(state: TrainState, saved: dict) -> None:
     """Continue from a checkpoint: weights, optimiser, step, best top-1, training seconds, and each process's RNG
     (when the number of processes is unchanged); metrics logged after the checkpoint are dropped. A sharded
@@ -547,6 +571,8 @@ def checkpoint_state(state: TrainState) -> dict:
         "elapsed": state.elapsed,
         "skipped_steps": state.skipped_steps,
         "wall_elapsed": state.wall_before + time.perf_counter() - state.session_start,
+        "world_size": world.size,  # with the workers, they set a packed-shard run's data order (check_data_order)
+        "workers": state.config.workers,
         "rng": [t.cpu() for t in rng],
         "cuda_rng": [t.cpu() for t in cuda_rng],
     }
