@@ -221,6 +221,72 @@ def test_nonfinite_skip_skips_the_step_and_counts_it(tmp_path, nan_at_step_5):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.fixture
+def poisoned_step_5(request, monkeypatch):
+    """Step 5 goes wrong as `request.param` says. "inf loss": its loss is multiplied by infinity (an Inf, not a NaN).
+    "inf gradient": its loss stays finite, but one weight's gradient (one value of blocks.0.mlp.fc1.weight) is
+    made infinite on the way back, as an overflow in one layer's backward pass would make it."""
+    from vitkit.model import VisionTransformer
+
+    calls = {"n": 0}
+    if request.param == "inf loss":
+        real = torch.nn.functional.cross_entropy
+
+        def cross_entropy(*args, **kwargs):
+            loss = real(*args, **kwargs)
+            calls["n"] += torch.is_grad_enabled()  # training steps only, not evaluations
+            return loss * float("inf") if calls["n"] == 5 and torch.is_grad_enabled() else loss
+
+        monkeypatch.setattr(torch.nn.functional, "cross_entropy", cross_entropy)
+        yield
+        return
+
+    def infinite_value(grad):
+        grad = grad.clone()
+        grad[0, 0] = float("inf")
+        return grad
+
+    def on_forward(module, inputs, output):
+        if isinstance(module, VisionTransformer) and module.training and torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 5:
+                hooks.append(module.blocks[0].mlp.fc1.weight.register_hook(infinite_value))
+            elif len(hooks) > 1:  # step 6 on: gradients are as computed again
+                hooks.pop().remove()
+
+    hooks = [torch.nn.modules.module.register_module_forward_hook(on_forward)]
+    yield
+    for hook in hooks:
+        hook.remove()
+
+
+@pytest.mark.parametrize(
+    "poisoned_step_5, message",
+    [
+        ("inf loss", r"non-finite loss \(loss inf,"),
+        ("inf gradient", r"non-finite gradient \(loss \d[\d.]*, gradient norm inf\)"),
+    ],
+    indirect=["poisoned_step_5"],
+)
+def test_an_inf_loss_or_an_inf_gradient_of_a_finite_loss_stops_the_run_at_its_step(tmp_path, poisoned_step_5, message):
+    from vitkit.errors import NonFiniteError
+
+    config = shapes_config(tmp_path / "run", steps=8, eval_every=0.34)  # 6 steps per epoch: a checkpoint every 2
+    with pytest.raises(NonFiniteError, match=rf"step 5: {message}.*newest checkpoint, step 4, is the last good"):
+        train(config)
+    state = read_checkpoint(tmp_path / "run")
+    assert state["step"] == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("poisoned_step_5", ["inf gradient"], indirect=True)
+def test_nonfinite_skip_skips_a_step_whose_gradient_alone_is_infinite_and_counts_it(tmp_path, poisoned_step_5):
+    result = train(shapes_config(tmp_path / "run", steps=8, nonfinite="skip"))
+    assert result.step == 8 and result.skipped_steps == 1
+    model = load_checkpoint(tmp_path / "run" / "model.safetensors")  # finite: the infinite update was not applied
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @pytest.mark.slow
 def test_same_seed_and_config_on_cpu_give_the_same_metrics_byte_for_byte_apart_from_timing(tmp_path):
     import re

@@ -113,8 +113,19 @@ def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_p
     train(config)
     tuned = vitkit.load_checkpoint(tmp_path / "probe" / "model.safetensors")
     assert tuned.head.weight.any() and torch.equal(tuned.blocks[0].attn.qkv.weight, base.blocks[0].attn.qkv.weight)
-    with pytest.raises(ValueError, match="would change the architecture"):
+
+
+def test_a_checkpoint_of_another_architecture_than_model_args_names_the_fields_that_differ(tmp_path):
+    base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)  # hidden 16, 2 layers, 2 heads
+    vitkit.export(base, tmp_path / "base.safetensors")
+    dataset = get_dataset("shapes", "train", size=8, image_size=16)
+    # `vitkit train --checkpoint` keeps the main job's model_args: hidden_size 64, num_layers 4, mlp_dim 128, ...
+    with pytest.raises(ValueError, match=r"base\.safetensors is another architecture than model_args ask for: "
+                       r"hidden_size 16 != 64, mlp_dim 32 != 128, num_heads 2 != 4, num_layers 2 != 4 \(checkpoint "
+                       r"!= asked\)"):  # fmt: skip
         initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
+    same = initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), model_args=dict(TINY)), dataset)
+    assert same.config.hidden_size == 16  # the checkpoint's own values are no change
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ torch.distributed.checkpoint, which resumes with any number of processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
@@ -104,13 +105,20 @@ def initial_model(config: TrainConfig, dataset) -> Model:
     the new resolution, a new zero-initialised head)."""
     num_classes = len(dataset.classes)
     if config.checkpoint is not None:
-        structural = sorted(set(config.model_args) & ARCHITECTURE_FIELDS)
-        if structural:
+        structural = {k: v for k, v in config.model_args.items() if k in ARCHITECTURE_FIELDS}
+        others = {k: v for k, v in config.model_args.items() if k not in ARCHITECTURE_FIELDS}
+        model = load_checkpoint(config.checkpoint, image_size=config.image_size, **others)
+        # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
+        # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
+        asked = dataclasses.replace(model.config, **structural)
+        differ = [f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}" for k in sorted(structural)
+                  if getattr(model.config, k) != getattr(asked, k)]  # fmt: skip
+        if differ:
             raise ValueError(
-                f"model_args {structural} would change the architecture of checkpoint {config.checkpoint}: with a "
-                "checkpoint give only overrides without weights (e.g. drop_path_rate); `vitkit finetune` clears them."
+                f"checkpoint {config.checkpoint} is another architecture than model_args ask for: {', '.join(differ)} "
+                "(checkpoint != asked). With a checkpoint give only overrides without weights (e.g. "
+                "drop_path_rate); `vitkit finetune` clears model_args."
             )
-        model = load_checkpoint(config.checkpoint, image_size=config.image_size, **config.model_args)
         model.reset_head(num_classes)
     else:
         # The dataset's own resolution when it has one (in-memory splits, shapes); 224 for image folders.

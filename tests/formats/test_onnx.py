@@ -72,6 +72,18 @@ def test_graph_with_lying_names_loads_by_structure_and_matches_onnxruntime(lying
         torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
 
 
+def test_graph_with_its_weights_in_an_external_data_file_loads_the_same(lying_dinov2_onnx, tmp_path):
+    path, _ = lying_dinov2_onnx
+    external = tmp_path / "external" / "dinov2.onnx"
+    external.parent.mkdir()
+    onnx.save(onnx.load(str(path)), external, save_as_external_data=True, location="dinov2.onnx.data",
+              size_threshold=0)  # fmt: skip
+    assert (external.parent / "dinov2.onnx.data").stat().st_size > external.stat().st_size  # the weights are there
+    inline, ours = vitkit.load_checkpoint(path), vitkit.load_checkpoint(external)
+    for (name, a), (_, b) in zip(inline.state_dict().items(), ours.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def test_onnx_is_load_only(lying_dinov2_onnx, tmp_path):
     with pytest.raises(ValueError, match="load-only"):
         vitkit.export(vitkit.load_checkpoint(lying_dinov2_onnx[0]), tmp_path / "x.onnx", format="onnx")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import CheckpointError
 from ..model import VisionTransformer
 from .common import Tensors, _listing, interpolated_posemb, make_config, model_from_rules, rename
 
@@ -39,11 +40,16 @@ def detect(path: str | os.PathLike) -> bool:
 class Graph:
     """Initializers, constants, and who produces and consumes each tensor."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, path: str | os.PathLike) -> None:
         from onnx import numpy_helper
 
         graph = model.graph
-        self.params = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        self.path = path
+        self.params: dict[Any, np.ndarray] = {}  # names as onnx gives them (untyped)
+        for t in graph.initializer:
+            if t.name in self.params:  # later ones would silently replace earlier ones, as in a JSON header
+                raise CheckpointError(path, "the graph holds two initializers of this name.", t.name)
+            self.params[t.name] = _array(t, path)
         self.consts: dict[str, np.ndarray] = {}
         self.producer, self.consumers = {}, defaultdict(list)
         self.origin: dict[str, str] = {}  # Identity copies of an initializer (exporters share equal tensors so)
@@ -66,8 +72,13 @@ class Graph:
     def param(self, name: str | None) -> torch.Tensor:
         if name is None:
             raise ValueError("a node expected to read a weight reads none")
-        self.taken.add(self.origin.get(name, name))
-        return torch.from_numpy(np.array(self.params[name], dtype=np.float32))
+        origin = self.origin.get(name, name)
+        self.taken.add(origin)
+        array = self.params[name]
+        if array.dtype.kind != "f":  # an integer or bool tensor would be converted silently into nonsense weights
+            raise CheckpointError(self.path, f"weights of dtype {array.dtype}; a ViT's weights are floating point.",
+                                  origin)  # fmt: skip
+        return torch.from_numpy(np.array(array, dtype=np.float32))
 
     def constant(self, name: str) -> np.ndarray | None:
         return self.consts.get(name, self.params.get(name))
@@ -79,6 +90,79 @@ class Graph:
         """The node's initializer input, if it has exactly one."""
         found = [i for i in node.input if i in self.params]
         return found[0] if len(found) == 1 else None
+
+
+# Bytes per element of the numeric tensor types (onnx.TensorProto.DataType): what a shape claims is checked
+# against the bytes the file holds before anything is read or allocated.
+ITEM_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2}
+
+
+def _claimed_bytes(t, path) -> int:
+    """The bytes tensor `t`'s shape and type claim; a CheckpointError for a negative dimension or, where its data
+    is stored raw, an unknown type."""
+    if any(d < 0 for d in t.dims):
+        raise CheckpointError(path, f"the shape {list(t.dims)} has a negative dimension.", t.name)
+    if t.data_type not in ITEM_BYTES:
+        raise CheckpointError(path, f"tensor type {t.data_type} stored as raw bytes is not a numeric type vitkit "
+                              "reads.", t.name)  # fmt: skip
+    return math.prod(t.dims) * ITEM_BYTES[t.data_type]
+
+
+def _array(t, path) -> np.ndarray:
+    """Initializer `t` as an array; a CheckpointError naming it if its shape claims other than the data it holds."""
+    from onnx import numpy_helper
+
+    if t.HasField("raw_data") or t.data_location == t.EXTERNAL:
+        claimed = _claimed_bytes(t, path)
+        if claimed != len(t.raw_data):
+            raise CheckpointError(path, f"the shape {list(t.dims)} claims {claimed:,} bytes; the file holds "
+                                  f"{len(t.raw_data):,}.", t.name)  # fmt: skip
+    try:
+        return numpy_helper.to_array(t)
+    except Exception as e:  # noqa: BLE001 - onnx and numpy fail in their own ways on a malformed tensor
+        raise CheckpointError(path, f"unreadable initializer ({type(e).__name__}: {str(e)[:200]}).", t.name) from e
+
+
+def _load_external_data(model, path) -> None:
+    """Read the initializers stored in other files, after checking each reference: a file of the model's own
+    directory (never a path leading out of it), and an offset and length within that file that match the
+    tensor's shape, so nothing is read from elsewhere and nothing of a claimed size is allocated. (onnx checks
+    some of this itself since 1.23; vitkit supports onnx>=1.16, so it checks everything here.)"""
+    directory = Path(path).resolve().parent
+    for t in _tensors(model.graph):
+        if t.data_location != t.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+        file = (directory / location).resolve()
+        if not location or os.path.isabs(location) or not file.is_relative_to(directory) or not file.is_file():
+            raise CheckpointError(path, f"its external data {location!r} must be a file in the model's own "
+                                  f"directory {directory}.", t.name)  # fmt: skip
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+        except ValueError as e:
+            raise CheckpointError(path, f"external data offset or length is not a number ({e}).", t.name) from e
+        size, claimed = file.stat().st_size, _claimed_bytes(t, path)
+        length = size - offset if length == -1 else length
+        if offset < 0 or length != claimed or offset + length > size:
+            raise CheckpointError(path, f"external data {location!r}: {length:,} bytes from offset {offset:,} in a "
+                                  f"file of {size:,} bytes, for a shape {list(t.dims)} of {claimed:,} bytes.",
+                                  t.name)  # fmt: skip
+        with open(file, "rb") as f:
+            f.seek(offset)
+            t.raw_data = f.read(length)
+        t.data_location = t.DEFAULT
+        del t.external_data[:]
+
+
+def _tensors(graph) -> list:
+    """The initializers and the tensors of node attributes (a `Constant`'s value) of the graph: all that may keep
+    its data in another file. (Subgraphs are not followed, so their tensors are never read.)"""
+    found = list(graph.initializer)
+    for node in graph.node:
+        for a in node.attribute:
+            found += ([a.t] if a.HasField("t") else []) + list(a.tensors)
+    return found
 
 
 def _fail(path, what: str) -> ValueError:
@@ -151,7 +235,9 @@ def _layer_norm(g: Graph, x: str, path) -> tuple[torch.Tensor, torch.Tensor, flo
         raise _fail(path, f"LayerNorm after {x} has no normalising Div")
     sqrt = g.producer[div[0].input[1]]
     add_eps = g.producer[sqrt.input[0]]
-    eps = next(float(c) for c in map(g.constant, add_eps.input) if c is not None)
+    eps = next((float(c) for c in map(g.constant, add_eps.input) if c is not None), None)
+    if eps is None:  # (a StopIteration here would escape every caller's error handling)
+        raise _fail(path, f"LayerNorm after {x} adds no constant epsilon")
     mul = g.users(div[0].output[0], "Mul")[0]
     add = g.users(mul.output[0], "Add")[0]
     return g.param(g.param_input(mul)), g.param(g.param_input(add)), float(eps), add.output[0]
@@ -171,8 +257,8 @@ def _follow(g: Graph, name: str, stop: set[str]) -> tuple[Any, int, float]:
             break
         node = moves[0]
         if node.op_type in ("Mul", "Div"):
-            other = next(i for i in node.input if i != name)
-            factor = g.constant(other)
+            other = next((i for i in node.input if i != name), None)
+            factor = None if other is None else g.constant(other)
             if factor is None or np.size(factor) != 1:
                 break
             scale *= float(factor) if node.op_type == "Mul" else 1.0 / float(factor)
@@ -327,7 +413,9 @@ def _embedding(g: Graph, p: Parsed, path) -> str:
     adds = g.users(concat.output[0], "Add")
     if len(adds) != 1:
         raise _fail(path, "no position embedding is added to the tokens")
-    posemb = next(i for i in adds[0].input if i != concat.output[0])
+    posemb = next((i for i in adds[0].input if i != concat.output[0]), None)
+    if posemb is None:
+        raise _fail(path, "the tokens are added to themselves, not to a position embedding")
     if posemb in g.params:
         p.tensors["posemb.weight"] = g.param(posemb)
     else:
@@ -381,7 +469,7 @@ def _find_resize(g: Graph, name: str) -> dict | None:
 
 def parse(model, path) -> Parsed:
     """Follow the graph `model` (an `onnx.ModelProto`) from the image to the backbone's final LayerNorm."""
-    g = Graph(model)
+    g = Graph(model, path)
     p = Parsed()
     x = _embedding(g, p, path)
     ln = _layer_norm(g, x, path)
@@ -411,9 +499,10 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     except ImportError as e:
         raise ImportError("reading ONNX graphs needs the onnx package: pip install onnx") from e
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)  # read below, after checking each reference
     except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
         raise ValueError(f"{path}: not a readable ONNX file ({type(e).__name__}: {e}).") from e
+    _load_external_data(model, path)
     p = parse(model, path)
     hidden = p.tensors["embedding.weight"].shape[0]
     table = p.tensors["posemb.weight"]
