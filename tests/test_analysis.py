@@ -151,6 +151,8 @@ def test_occlusion_lights_up_the_only_region_the_model_looks_at():
 def test_occlusion_needs_a_patch_size_for_a_model_without_config():
     with pytest.raises(ValueError, match="pass patch="):
         vi.occlusion_sensitivity(LooksAtOneRegion(), torch.zeros(3, 32, 32))
+    with pytest.raises(ValueError, match="stride=12 is wider than the 8 px window.*at most 8"):
+        vi.occlusion_sensitivity(LooksAtOneRegion(), torch.zeros(3, 32, 32), patch=8, stride=12)  # NaN maps before
 
 
 class FeaturesOfOneRegion(nn.Module):

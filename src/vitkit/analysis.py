@@ -259,6 +259,11 @@ def occlusion_windows(image_size: tuple[int, int], patch: int, stride: int) -> l
     h, w = image_size
     if not 0 < patch <= min(h, w) or stride < 1:
         raise ValueError(f"patch={patch}, stride={stride}: need 0 < patch <= {min(h, w)} and stride >= 1.")
+    if stride > patch:  # gaps between the windows: pixels no window covers would get 0 / 0
+        raise ValueError(
+            f"stride={stride} is wider than the {patch} px window, leaving pixels no window covers: "
+            f"use a stride of at most {patch}."
+        )
     tops = sorted(set(range(0, h - patch + 1, stride)) | {h - patch})
     lefts = sorted(set(range(0, w - patch + 1, stride)) | {w - patch})
     return [(t, left) for t in tops for left in lefts]
