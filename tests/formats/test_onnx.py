@@ -76,6 +76,68 @@ def test_graph_with_lying_names_loads_by_structure_and_matches_onnxruntime(lying
         torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
 
 
+def reversed_topological_order(nodes) -> list[int]:
+    """Another valid order of the graph's nodes (ONNX requires a topological one): of the nodes whose inputs are
+    all computed, always the one that came last. Independent nodes, such as the q, k and v projections that read
+    the same LayerNorm, so come in the opposite order."""
+    import heapq
+
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output}
+    needs = [{producer[name] for name in node.input if name in producer} for node in nodes]
+    users = [[] for _ in nodes]
+    for i, inputs in enumerate(needs):
+        for j in inputs:
+            users[j].append(i)
+    waiting = [len(inputs) for inputs in needs]
+    ready = [-i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = -heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, -u)
+    assert len(order) == len(nodes), "the graph has a cycle"
+    return order
+
+
+def test_graph_with_reordered_nodes_and_initializers_loads_by_structure(lying_dinov2_onnx, tmp_path):
+    """The names lie (the fixture) and, besides, the nodes come in another valid order (the value projection's
+    MatMul first, the query's last) and the initializers in a shuffled one: the loader still finds q, k and v."""
+    path, theirs = lying_dinov2_onnx
+    graph = onnx.load(str(path))
+    nodes = list(graph.graph.node)
+    order = reversed_topological_order(nodes)
+    assert order != list(range(len(nodes)))
+    reordered = [onnx.NodeProto() for _ in order]
+    for copy, i in zip(reordered, order):
+        copy.CopyFrom(nodes[i])
+    del graph.graph.node[:]
+    graph.graph.node.extend(reordered)
+    initializers = [onnx.TensorProto() for _ in graph.graph.initializer]
+    permutation = np.random.default_rng(1).permutation(len(initializers))
+    for copy, i in zip(initializers, permutation):
+        copy.CopyFrom(graph.graph.initializer[int(i)])
+    assert permutation.tolist() != sorted(permutation.tolist())
+    del graph.graph.initializer[:]
+    graph.graph.initializer.extend(initializers)
+    onnx.checker.check_model(graph)  # still a valid graph: topologically sorted
+    names = [n.name for n in graph.graph.node]
+    position = {kind: names.index(f"/encoder/layer.0/attention/{kind}_proj/MatMul") for kind in "qkv"}
+    assert position["v"] < position["k"] < position["q"]  # the export wrote them q, k, v
+    reordered_path = tmp_path / "reordered.onnx"
+    onnx.save(graph, reordered_path)
+    ours = vitkit.load_checkpoint(reordered_path)
+    assert (ours.config.num_heads, ours.config.num_layers, ours.config.layer_scale_init) == (4, 2, 1.0)
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        features = ours.forward_features(x)
+        np.testing.assert_allclose(features.numpy(), backbone_session(reordered_path)(x), atol=1e-4, rtol=0)
+        torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
+
+
 def test_onnx_is_load_only(lying_dinov2_onnx, tmp_path):
     with pytest.raises(ValueError, match="load-only"):
         vitkit.export(vitkit.load_checkpoint(lying_dinov2_onnx[0]), tmp_path / "x.onnx", format="onnx")
