@@ -185,6 +185,37 @@ def test_hub_names_load_from_a_prepopulated_cache_offline(cache, tmp_path, monke
         vitkit.load_pretrained("google/absent")
 
 
+def test_timm_hub_repo_with_only_pytorch_model_bin_loads_it_weights_only(cache, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    model = vitkit.VisionTransformer(vitkit.ViTConfig(**TINY | dict(hidden_size=48, num_heads=3))).eval()
+    vitkit.export(model, tmp_path / "timm.safetensors", format="timm")
+    state = safetensors.torch.load_file(tmp_path / "timm.safetensors")
+    config = {"architecture": "vit_tiny_patch8_32", "num_classes": 5}
+    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.old", {  # an older repository: no model.safetensors
+        "config.json": lambda p: p.write_text(json.dumps(config)),
+        "pytorch_model.bin": lambda p: torch.save(state, p),
+    })  # fmt: skip
+    path, arguments = pretrained.fetch("timm/vit_tiny_patch8_32.old", download=False)
+    assert path.name == "pytorch_model.bin" and arguments == {"format": "timm", "num_heads": 3}
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            vitkit.load_pretrained("timm/vit_tiny_patch8_32.old")(x), model(x), atol=1e-5, rtol=0
+        )
+    # Read weights-only, as every torch file: a .bin that pickles an object is refused, not unpickled.
+    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.hostile", {
+        "config.json": lambda p: p.write_text(json.dumps(config)),
+        "pytorch_model.bin": lambda p: torch.save({"state": state, "extra": pretrained.Pretrained}, p),
+    })  # fmt: skip
+    with pytest.raises(vitkit.CheckpointError, match="weights-only"):
+        vitkit.load_pretrained("timm/vit_tiny_patch8_32.hostile")
+    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.empty", {"config.json": lambda p: p.write_text(json.dumps(config))})
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor pytorch_model.bin"):
+        vitkit.load_pretrained("timm/vit_tiny_patch8_32.empty")
+
+
 def test_create_model_with_pretrained_tag_uses_the_registry(cache, tiny_npz, monkeypatch):
     model, data = tiny_npz
     (cache / "files").mkdir(parents=True)
