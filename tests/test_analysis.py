@@ -151,6 +151,51 @@ def test_occlusion_lights_up_the_only_region_the_model_looks_at():
 def test_occlusion_needs_a_patch_size_for_a_model_without_config():
     with pytest.raises(ValueError, match="pass patch="):
         vi.occlusion_sensitivity(LooksAtOneRegion(), torch.zeros(3, 32, 32))
+    with pytest.raises(ValueError, match="stride=12 is wider than the 8 px window.*at most 8"):
+        vi.occlusion_sensitivity(LooksAtOneRegion(), torch.zeros(3, 32, 32), patch=8, stride=12)  # NaN maps before
+
+
+class FeaturesOfOneRegion(nn.Module):
+    """A backbone (no head: `head` is nn.Identity) whose features are (mean of rows 8..15, columns 16..23 of
+    channel 0, 1): hiding that region turns them, hiding the rest leaves them be."""
+
+    head = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        evidence = x[:, 0, 8:16, 16:24].mean(dim=(-2, -1))
+        return torch.stack([evidence, torch.ones_like(evidence)], dim=-1)
+
+
+def test_occlusion_of_a_headless_model_measures_the_change_of_its_features():
+    image = torch.full((3, 32, 32), -0.5)
+    image[0, 8:16, 16:24] = 1.0
+    occ = vi.occlusion_sensitivity(FeaturesOfOneRegion(), image, patch=8, stride=4)
+    assert occ.measure == vi.FEATURES and occ.target is None and occ.probability == 1.0
+    inside = torch.zeros(32, 32, dtype=torch.bool)
+    inside[8:16, 16:24] = True
+    reach = torch.zeros(32, 32, dtype=torch.bool)
+    reach[4:20, 12:28] = True
+    # The features' direction turns only where a window reaches the region: there 1 - cos is well above zero.
+    assert occ.drop[inside].min() > 0.01 and occ.drop.max() <= 2
+    assert occ.drop[~reach].abs().max() < 1e-6
+    assert occ.drop.flatten().argmax() in inside.flatten().nonzero()
+    with pytest.raises(ValueError, match="target=0: the model has no head"):
+        vi.occlusion_sensitivity(FeaturesOfOneRegion(), image, target=0, patch=8)
+
+
+def test_headless_vit_occlusion_is_one_minus_the_cosine_of_its_features_and_a_classifier_keeps_probability():
+    backbone = tiny(num_classes=0)
+    image = torch.randn(3, 32, 32)
+    occ = vi.occlusion_sensitivity(backbone, image)  # 8 px windows, stride 4
+    assert vi.has_no_head(backbone) and occ.measure == vi.FEATURES and occ.target is None
+    # Pixel (0, 0) is covered by the first window only: its drop is that window's 1 - cos, computed here by hand.
+    occluded = image.clone()
+    occluded[:, :8, :8] = image.mean(dim=(-2, -1))[:, None, None]
+    with torch.no_grad():
+        cos = torch.nn.functional.cosine_similarity(backbone(occluded[None]), backbone(image[None]), dim=-1)
+    torch.testing.assert_close(occ.drop[0, 0], 1 - cos[0], atol=1e-6, rtol=0)
+    classifier = vi.occlusion_sensitivity(tiny(), image)
+    assert classifier.measure == vi.PROBABILITY and classifier.target is not None and classifier.probability < 1
 
 
 def test_attention_maps_are_the_class_token_rows_or_the_mean_over_queries():

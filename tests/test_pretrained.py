@@ -185,6 +185,37 @@ def test_hub_names_load_from_a_prepopulated_cache_offline(cache, tmp_path, monke
         vitkit.load_pretrained("google/absent")
 
 
+def test_timm_hub_repo_with_only_pytorch_model_bin_loads_it_weights_only(cache, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    model = vitkit.VisionTransformer(vitkit.ViTConfig(**TINY | dict(hidden_size=48, num_heads=3))).eval()
+    vitkit.export(model, tmp_path / "timm.safetensors", format="timm")
+    state = safetensors.torch.load_file(tmp_path / "timm.safetensors")
+    config = {"architecture": "vit_tiny_patch8_32", "num_classes": 5}
+    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.old", {  # an older repository: no model.safetensors
+        "config.json": lambda p: p.write_text(json.dumps(config)),
+        "pytorch_model.bin": lambda p: torch.save(state, p),
+    })  # fmt: skip
+    path, arguments = pretrained.fetch("timm/vit_tiny_patch8_32.old", download=False)
+    assert path.name == "pytorch_model.bin" and arguments == {"format": "timm", "num_heads": 3}
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            vitkit.load_pretrained("timm/vit_tiny_patch8_32.old")(x), model(x), atol=1e-5, rtol=0
+        )
+    # Read weights-only, as every torch file: a .bin that pickles an object is refused, not unpickled.
+    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.hostile", {
+        "config.json": lambda p: p.write_text(json.dumps(config)),
+        "pytorch_model.bin": lambda p: torch.save({"state": state, "extra": pretrained.Pretrained}, p),
+    })  # fmt: skip
+    with pytest.raises(vitkit.CheckpointError, match="weights-only"):
+        vitkit.load_pretrained("timm/vit_tiny_patch8_32.hostile")
+    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.empty", {"config.json": lambda p: p.write_text(json.dumps(config))})
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor pytorch_model.bin"):
+        vitkit.load_pretrained("timm/vit_tiny_patch8_32.empty")
+
+
 def test_create_model_with_pretrained_tag_uses_the_registry(cache, tiny_npz, monkeypatch):
     model, data = tiny_npz
     (cache / "files").mkdir(parents=True)
@@ -194,6 +225,66 @@ def test_create_model_with_pretrained_tag_uses_the_registry(cache, tiny_npz, mon
     adapted = vitkit.create_model("ViT-Ti/8", pretrained="test", image_size=48, num_classes=3)
     assert adapted.config.image_size == (48, 48) and adapted.config.num_classes == 3
     torch.testing.assert_close(adapted.blocks[1].mlp.fc2.weight, model.blocks[1].mlp.fc2.weight)
+
+
+@pytest.fixture
+def served(cache, tiny_npz, monkeypatch):
+    """The tiny .npz served on 127.0.0.1 under the registered name `ViT-Ti/8:test`; (model, server)."""
+    model, data = tiny_npz
+    server = Server(data, md5=True)
+    register(monkeypatch, server.url, hashlib.sha256(data).hexdigest())
+    yield model, server
+    server.close()
+
+
+def test_pretrained_download_cli_fetches_a_name_into_the_cache_once(served, cache, capsys):
+    model, server = served
+    assert main(["pretrained", "--download", "ViT-Ti/8:test"]) == 0
+    path = next((cache / "files").rglob("tiny.npz"))
+    assert capsys.readouterr().out.strip() == f"ViT-Ti/8:test: {path}"
+    assert main(["pretrained", "--download", "vit-ti/8:test"]) == 0  # cached: not fetched again
+    assert server.requests == [None]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(vitkit.load_checkpoint(path)(x), model(x), atol=0, rtol=0)
+
+
+def test_convert_and_predict_cli_take_a_pretrained_name(served, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    model, server = served
+    out = tmp_path / "tiny.safetensors"
+    assert main(["convert", "ViT-Ti/8:test", str(out), "--to", "vitkit"]) == 0
+    assert f"ViT-Ti/8:test -> {out} (vitkit)" in capsys.readouterr().out
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(vitkit.load_checkpoint(out)(x), model(x), atol=0, rtol=0)
+    photo = tmp_path / "noise.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(photo)
+    assert main(["predict", "--checkpoint", "ViT-Ti/8:test", "--top-k", "2", str(photo)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"{photo}: ") and line.count("%") == 2  # the .npz has no class names: indices
+    assert server.requests == [None]  # downloaded by convert, found in the cache by predict
+
+
+@pytest.mark.slow
+def test_inspect_and_finetune_cli_take_a_pretrained_name(served, tmp_path, capsys):
+    model, server = served
+    report = tmp_path / "report"
+    assert main(["inspect", "--checkpoint", "ViT-Ti/8:test", "--samples", "1", "--out", str(report)]) == 0
+    assert "vitkit inspect: ViT-Ti/8:test" in (report / "report.html").read_text()
+    run = tmp_path / "run"
+    args = ["finetune", "--checkpoint", "ViT-Ti/8:test", "--data", "shapes", "--data-args", "size=32",
+            "--image-size", "32", "--steps", "1", "--batch-size", "8", "--out-dir", str(run)]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["checkpoint"] == "ViT-Ti/8:test"
+    # The encoder came from the served file (a new 6-class head replaces its 5-class one); one SGD step moves it
+    # by far less than the difference to a fresh initialisation.
+    tuned = safetensors.torch.load_file(run / "model.safetensors")
+    assert tuned["head.weight"].shape == (6, 32)
+    torch.testing.assert_close(tuned["blocks.1.mlp.fc2.weight"], model.blocks[1].mlp.fc2.weight, atol=0.02, rtol=0)
+    assert server.requests == [None]
 
 
 def test_unknown_name_suggests_the_closest_and_missing_files_stay_files():

@@ -16,7 +16,7 @@ from vitkit import analysis as vi
 from vitkit.cli import main
 from vitkit.data import ShapesDataset
 from vitkit.model import VisionTransformer
-from vitkit.report import Samples, dataset_samples, load_images, write_report
+from vitkit.report import OCCLUSION_CAPTIONS, Samples, dataset_samples, load_images, write_report
 
 
 class ImageSources(HTMLParser):
@@ -115,6 +115,16 @@ def test_report_captions_name_the_query_the_maps_come_from(tmp_path, classifier)
     assert (html_escape(vi.GAP_QUERY) in html) == (classifier == "gap")
     query = vi.CLS_QUERY if classifier == "token" else vi.GAP_QUERY
     assert f"attention carries information from the patches to {html_escape(query)}" in html
+
+
+@pytest.mark.slow
+def test_report_of_a_headless_backbone_says_occlusion_measures_its_features(tmp_path):
+    samples = Samples(torch.rand(1, 3, 32, 32) * 2 - 1, ["noise"])
+    html = write_report(tiny(num_classes=0), samples, tmp_path / "backbone").read_text()
+    assert OCCLUSION_CAPTIONS[vi.FEATURES] in html and OCCLUSION_CAPTIONS[vi.PROBABILITY] not in html
+    assert "no classification head" in html and "none, no head (a backbone: num_classes=0)" in html
+    html = write_report(tiny(), samples, tmp_path / "classifier").read_text()
+    assert OCCLUSION_CAPTIONS[vi.PROBABILITY] in html and "no classification head" not in html
 
 
 def test_dataset_samples_scale_object_boxes_to_a_non_square_model():

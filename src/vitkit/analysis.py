@@ -6,8 +6,8 @@ Everything here reads the model's own weights or its named intermediates (`forwa
 - `posemb_similarity`: cosine similarity between the position embeddings of all patch pairs (Fig. 7 centre).
 - `mean_attention_distance`: how far each head attends, per layer (Fig. 7 right).
 - `attention_maps`, `attention_rollout`: where the class token looks (Figs. 6 and 14).
-- `occlusion_sensitivity`: how much the prediction drops when a region is hidden, an attribution to set
-  beside the attention maps, which are not one.
+- `occlusion_sensitivity`: how much the prediction drops when a region is hidden (for a backbone without a
+  head: how much its feature vector changes), an attribution to set beside the attention maps, which are not one.
 - `localisation`: how often such a map points inside a known object box, against chance.
 """
 
@@ -60,14 +60,23 @@ class Rollout:
     query: str
 
 
+PROBABILITY = "probability"
+FEATURES = "features"
+
+
 @dataclass(frozen=True)
 class Occlusion:
     """`drop` (H, W): mean fall of the `target` class probability over the occluded windows covering each pixel
-    (positive: hiding that region hurts the prediction); `probability` is the unoccluded one."""
+    (positive: hiding that region hurts the prediction); `probability` is the unoccluded one.
+
+    For a model without a head (`measure == FEATURES`) there is no class: `drop` is the mean fall of the cosine
+    similarity of the occluded image's features to the unoccluded ones (1 - cos, from 0 to 2), `target` is None
+    and `probability` is 1.0, the similarity of the features to themselves."""
 
     drop: torch.Tensor
-    target: int
+    target: int | None
     probability: float
+    measure: str = PROBABILITY
 
 
 @dataclass(frozen=True)
@@ -250,6 +259,11 @@ def occlusion_windows(image_size: tuple[int, int], patch: int, stride: int) -> l
     h, w = image_size
     if not 0 < patch <= min(h, w) or stride < 1:
         raise ValueError(f"patch={patch}, stride={stride}: need 0 < patch <= {min(h, w)} and stride >= 1.")
+    if stride > patch:  # gaps between the windows: pixels no window covers would get 0 / 0
+        raise ValueError(
+            f"stride={stride} is wider than the {patch} px window, leaving pixels no window covers: "
+            f"use a stride of at most {patch}."
+        )
     tops = sorted(set(range(0, h - patch + 1, stride)) | {h - patch})
     lefts = sorted(set(range(0, w - patch + 1, stride)) | {w - patch})
     return [(t, left) for t in tops for left in lefts]
@@ -273,6 +287,10 @@ def occlusion_sensitivity(
     a conspicuous object on a coloured image); each pixel gets the mean drop over the windows covering it.
     Works for any classifier; give `patch` when it has no `config`. One forward pass per window (see
     `occlusion_windows`), `batch_size` at a time; `on_batch(n)` is called after each batch of `n` windows.
+
+    A model without a head (`num_classes=0`: `head` is `nn.Identity`, as a loaded backbone has) returns features,
+    whose softmax would be no class probability: for it the drop is that of the cosine similarity of the
+    occluded features to the unoccluded ones (see `Occlusion`), and `target` must be left out.
     """
     image = _as_batch(image)
     if image.shape[0] != 1:
@@ -286,19 +304,35 @@ def occlusion_sensitivity(
     h, w = image.shape[-2:]
     windows = occlusion_windows((h, w), patch, stride)
     colour = image.mean(dim=(-2, -1))[0, :, None, None] if fill is None else fill  # (C, 1, 1) or a scalar
+    headless = has_no_head(model)
+    if headless and target is not None:
+        raise ValueError(
+            f"target={target}: the model has no head (num_classes=0), so no classes to target; leave target out "
+            "and the occlusion map measures the change of its features."
+        )
     was_training = model.training
     model.eval()
-    probs = model(image).softmax(dim=-1)[0]
-    target = int(probs.argmax()) if target is None else target
-    if not 0 <= target < probs.shape[0]:
-        raise ValueError(f"target={target} is not a class of this model: use 0..{probs.shape[0] - 1}.")
+    reference = model(image)
+    score: Callable[[torch.Tensor], torch.Tensor]  # of each occluded image's output, as for the reference
+    unoccluded: float | torch.Tensor
+    if headless:
+        features = reference.float()
+        score = lambda out: F.cosine_similarity(out.float(), features, dim=-1)  # 1.0 for the unoccluded image
+        target, unoccluded = None, 1.0
+    else:
+        probs = reference.softmax(dim=-1)[0]
+        target = int(probs.argmax()) if target is None else target
+        if not 0 <= target < probs.shape[0]:
+            raise ValueError(f"target={target} is not a class of this model: use 0..{probs.shape[0] - 1}.")
+        score = lambda out: out.softmax(dim=-1)[:, target]
+        unoccluded = probs[target]
     drops = []
     for start in range(0, len(windows), batch_size):
         chunk = windows[start : start + batch_size]
         occluded = image.repeat(len(chunk), 1, 1, 1)
         for i, (t, left) in enumerate(chunk):
             occluded[i, :, t : t + patch, left : left + patch] = colour
-        drops.append(probs[target] - model(occluded).softmax(dim=-1)[:, target])
+        drops.append(unoccluded - score(model(occluded)))
         if on_batch is not None:
             on_batch(len(chunk))
     model.train(was_training)
@@ -306,7 +340,13 @@ def occlusion_sensitivity(
     for (t, left), drop in zip(windows, torch.cat(drops).float().cpu()):
         total[t : t + patch, left : left + patch] += drop
         count[t : t + patch, left : left + patch] += 1
-    return Occlusion(total / count, target, float(probs[target]))
+    return Occlusion(total / count, target, float(unoccluded), FEATURES if headless else PROBABILITY)
+
+
+def has_no_head(model: nn.Module) -> bool:
+    """Whether `model(x)` returns features rather than logits: a ViT with `num_classes=0`, whose head is
+    `nn.Identity` (a backbone loaded from DINOv2 or ONNX, or `reset_head(0)`)."""
+    return isinstance(getattr(model, "head", None), nn.Identity)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -374,14 +374,16 @@ def fetch(name: str, download: bool = True) -> tuple[Path, dict]:
 
 
 def _hub_checkpoint(directory: Path) -> tuple[Path, dict]:
-    """A Hub snapshot as a checkpoint: timm repositories are a state dict plus timm's own config.json."""
+    """A Hub snapshot as a checkpoint: timm repositories are a state dict (`model.safetensors`, or an older
+    repository's `pytorch_model.bin`, read weights-only) plus timm's own config.json."""
     config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     if "architecture" in config:  # timm: the heads are not in the state dict, the size name says them
         from .config import SIZES
+        from .formats.timm import hub_weights
 
         size = next((s for word, s in _TIMM_SIZES.items() if f"_{word}_" in f"_{config['architecture']}_"), None)
         overrides = {"num_heads": SIZES[size][3]} if size else {}
-        return directory / "model.safetensors", {"format": "timm", **overrides}
+        return hub_weights(directory), {"format": "timm", **overrides}
     return directory, {}
 
 

