@@ -379,11 +379,10 @@ def _hub_checkpoint(directory: Path) -> tuple[Path, dict]:
     config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     if "architecture" in config:  # timm: the heads are not in the state dict, the size name says them
         from .config import SIZES
-        from .formats.timm import hub_weights
 
         size = next((s for word, s in _TIMM_SIZES.items() if f"_{word}_" in f"_{config['architecture']}_"), None)
         overrides = {"num_heads": SIZES[size][3]} if size else {}
-        return hub_weights(directory), {"format": "timm", **overrides}
+        return directory, {"format": "timm", **overrides}  # the timm format finds the weights file in it
     return directory, {}
 
 
