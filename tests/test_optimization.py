@@ -28,14 +28,16 @@ def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
     model = small_model(**overrides)
     x = torch.randn(3, 3, 32, 32)
     fast = optimize(model, "fp32")
-    if opt.packing_available("fp32"):
-        assert any(isinstance(m, PackedLinear) for m in fast.modules())
+    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_pays("fp32")
+    # The packed copy whether or not this CPU packs by default, so both paths are checked on every machine.
+    copies = [fast, optimize(model, "fp32", pack=True)] if opt.packing_available("fp32") else [fast]
     with torch.no_grad():
-        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
-        # batch sizes other than the packing hint, and the explicit-softmax path of the report
-        torch.testing.assert_close(fast(x[:1]), model(x[:1]), rtol=0, atol=1e-4)
-        got, want = fast.forward_intermediates(x, attention=True), model.forward_intermediates(x, attention=True)
-        torch.testing.assert_close(got["attention"][-1], want["attention"][-1], rtol=0, atol=1e-5)
+        for fast in copies:
+            torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
+            # batch sizes other than the packing hint, and the explicit-softmax path of the report
+            torch.testing.assert_close(fast(x[:1]), model(x[:1]), rtol=0, atol=1e-4)
+            got, want = fast.forward_intermediates(x, attention=True), model.forward_intermediates(x, attention=True)
+            torch.testing.assert_close(got["attention"][-1], want["attention"][-1], rtol=0, atol=1e-5)
 
 
 def test_packed_linear_equals_f_linear_for_any_leading_shape():
@@ -65,7 +67,7 @@ def test_bf16_fast_path_is_within_bf16_rounding_of_the_plain_model():
     with pytest.warns(UserWarning, match="emulated") if not opt.bf16_is_native() else contextlib.nullcontext():
         fast = optimize(model, "bf16")
     assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
-    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_available("bf16")
+    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_pays("bf16")
     with torch.no_grad():
         want = model(x)
         got = fast(x)  # fp32 images in, bf16 logits out
@@ -94,6 +96,14 @@ def test_optimize_leaves_the_original_model_untouched():
     assert not fast.training and not any(p.requires_grad for p in fast.parameters())
     assert sum(p.numel() for p in fast.parameters()) == sum(p.numel() for p in model.parameters())
     assert fast.state_dict().keys() == model.state_dict().keys()
+
+
+def test_fp32_packing_is_the_default_only_without_avx512(monkeypatch):
+    monkeypatch.setattr(opt, "packing_available", lambda precision: True)
+    for capability, pays in (("AVX2", True), ("AVX512", False), ("DEFAULT", True)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert opt.packing_pays("fp32") is pays, capability
+        assert opt.packing_pays("bf16")
 
 
 def test_auto_precision_picks_bf16_only_where_it_is_native(monkeypatch):

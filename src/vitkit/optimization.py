@@ -5,9 +5,10 @@ What it does (each step measured on the machine it was written on; figures in do
 - a copy in eval mode with every parameter frozen, so no autograd state is kept;
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
-- on CPUs, every linear layer's weight packed once: fp32 for MKL's GEMM (`torch.ops.mkl._mkl_linear`, the kernel
-  `torch.compile(freezing)` emits), used for small batches where repacking at every call costs; bf16 (where
-  native) for oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), at every size;
+- on CPUs, every linear layer's weight packed once where that pays (`packing_pays`): fp32 for MKL's GEMM
+  (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits) on CPUs without AVX-512, used for
+  small batches where repacking at every call costs; bf16 (where native) for oneDNN's linear
+  (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), at every size;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
@@ -102,6 +103,14 @@ def packing_available(precision: str) -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def packing_pays(precision: str) -> bool:
+    """Whether `optimize` packs by default: bf16 wherever it can; fp32 on CPUs without AVX-512, where MKL's packed
+    GEMM ran 1.29x at batch 1 (AVX2), while on AVX-512 it ran 0.90-1.0x of the plain model (docs/PERFORMANCE.md)."""
+    if precision == "bf16":
+        return packing_available("bf16")
+    return packing_available("fp32") and torch.backends.cpu.get_cpu_capability() != "AVX512"
+
+
 def optimize(
     model: VisionTransformer, precision: str = "auto", *, pack: bool | None = None, compile: bool = False
 ) -> VisionTransformer:
@@ -109,7 +118,7 @@ def optimize(
     rounding), on the model's device.
 
     `precision`: "fp32", "bf16" (weights cast once), or "auto" (bf16 where the hardware has it, else fp32).
-    `pack`: pack linear weights for MKL (fp32) or oneDNN (bf16) (default: on CPU where the library has it).
+    `pack`: pack linear weights for MKL (fp32) or oneDNN (bf16) (default: where it pays, `packing_pays`).
     `compile`: torch.compile the result (slow to start; for long runs).
     """
     if not isinstance(model, nn.Module):
@@ -128,7 +137,7 @@ def optimize(
     if pack and compile:
         raise ValueError("pack=True and compile=True: choose one; the compiler packs the weights itself (freezing).")
     if pack is None:
-        pack = device.type == "cpu" and not compile and packing_available(precision)
+        pack = device.type == "cpu" and not compile and packing_pays(precision)
     elif pack and not (device.type == "cpu" and packing_available(precision)):
         raise ValueError(f"pack=True: this {device.type} cannot pack {precision} linear weights (MKL for fp32; oneDNN "
                          "with native bf16 for bf16); leave pack=None to pack where it can.")  # fmt: skip
