@@ -14,8 +14,8 @@ from vitkit.data import ImageFolder, get_dataset, pack_image_folder
 from vitkit.distributed import World
 from vitkit.recipes import TrainConfig
 from vitkit.runs import read_checkpoint
-from vitkit.shards import ShardedDataset
-from vitkit.training import check_data_order, train
+from vitkit.shards import ShardedDataset, check_data_order
+from vitkit.training import train
 
 
 def write_image_folder(root, per_class: int = 12, classes=("cat", "dog", "owl")):

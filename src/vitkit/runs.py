@@ -9,6 +9,9 @@ checkpoint/          instead, for FSDP runs: torch.distributed.checkpoint shards
                      processes
 model.safetensors    the final model (vitkit format, with class names); best.safetensors: best evaluation
 curves.png, confusion.png, summary.json, tensorboard/ (when tensorboard is installed)
+
+Also the two pieces of a run's bookkeeping the loop holds: `MetricsWindow` (the training lines of
+metrics.jsonl) and `StopRequest` (Ctrl-C / SIGTERM end the run after the current step, with a checkpoint).
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +195,67 @@ def plot_run(run_dir: str | os.PathLike, confusion: torch.Tensor | None, classes
     fig.tight_layout()
     atomic_write(Path(run_dir) / "confusion.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
+
+
+@dataclass
+class MetricsWindow:
+    """Training loss and accuracy summed since the last metrics record, and the seconds spent in those steps."""
+
+    loss: float = 0.0  # summed over images
+    top1: int = 0
+    top5: int = 0
+    count: int = 0  # images
+    steps: int = 0
+    seconds: float = 0.0
+
+    @torch.no_grad()
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """One micro-batch: its mean loss and its logits (B, K) against the true labels (B,)."""
+        self.loss += float(loss) * len(labels)
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        self.top1 += int((top5[:, 0] == labels).sum())
+        self.top5 += int((top5 == labels[:, None]).any(1).sum())
+        self.count += len(labels)
+
+    def add_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+
+    def flush(self, step: int, epoch: float, lr: float, batch_size: int) -> dict:
+        """The metrics.jsonl record of the window (on this process's images); the window starts again empty."""
+        n = max(self.count, 1)
+        record = {
+            "split": "train",
+            "step": step,
+            "epoch": epoch,
+            "lr": lr,
+            "loss": self.loss / n,
+            "top1": self.top1 / n,
+            "top5": self.top5 / n,
+            "images_per_s": self.steps * batch_size / max(self.seconds, 1e-9),
+        }
+        self.loss, self.top1, self.top5, self.count, self.steps, self.seconds = 0.0, 0, 0, 0, 0, 0.0
+        return record
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM ask the run to stop after the current step (a second Ctrl-C stops at once)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -33,7 +33,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -42,6 +42,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from .errors import reporting_dead_workers
 from .files import atomic_write
 from .images import read_image
+
+if TYPE_CHECKING:
+    from .distributed import World
+    from .recipes import TrainConfig
 
 FORMAT = "vitkit-shards/1"
 ROW_GROUP = 100
@@ -242,3 +246,25 @@ class _RoleStream(IterableDataset):
                 labels.append(label)
             same = all(im.shape == images[0].shape for im in images)
             yield (torch.stack(images) if same else images), torch.tensor(labels, dtype=torch.long)
+
+
+def check_data_order(saved: dict, config: TrainConfig, world: World, dataset, run_path: Path) -> None:
+    """Refuse to resume a run on packed shards with another number of processes or of DataLoader workers:
+    the shards' order depends on both (`vitkit.shards`), so the run would silently continue in another order,
+    with images of the current epoch seen twice or not at all and other epoch lengths. Image folders and
+    in-memory datasets give the same global batches for any count and resume with any."""
+    if not isinstance(dataset, ShardedDataset):
+        return
+    # Checkpoints from before the counts were recorded: one RNG state per process, the workers in the config.
+    saved_size = int(saved["world_size"] if "world_size" in saved else len(saved["rng"]))
+    saved_workers = int(saved["workers"] if "workers" in saved else json.loads(saved["config"])["workers"])
+    # Without workers the stream is read in the main process as one role, exactly as by one worker.
+    if saved_size == world.size and max(saved_workers, 1) == max(config.workers, 1):
+        return
+    raise ValueError(
+        f"--resume {run_path}: it streams packed shards in an order set by the number of processes and of "
+        f"DataLoader workers; it was saved with {saved_size} process(es) and --workers {saved_workers}, and would "
+        f"now run with {world.size} and --workers {config.workers}, which continues in another order, not the "
+        f"saved run's. Resume it with {saved_size} process(es) (torchrun --nproc_per_node) and --workers "
+        f"{saved_workers}; other counts need a new run (e.g. --checkpoint {run_path}/best.safetensors when it has one)."
+    )

@@ -17,14 +17,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import signal
-import threading
 import time
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -58,14 +55,16 @@ from .model import VisionTransformer
 from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
 from .runs import (
     SHARDED_CHECKPOINT,
+    MetricsWindow,
     RunDir,
+    StopRequest,
     claim_run_dir,
     default_run_dir,
     plot_run,
     read_checkpoint,
     truncate_metrics,
 )
-from .shards import ShardedDataset
+from .shards import ShardedDataset, check_data_order
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
 MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]  # (uint8 images, labels)
@@ -143,29 +142,6 @@ def augment_config(config: TrainConfig, dataset) -> AugmentConfig:
 def step_seed(seed: int, step: int) -> int:
     """A well-mixed 63-bit seed for the augmentation of one step."""
     return int(np.random.SeedSequence([seed, step]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-class StopRequest:
-    """Ctrl-C / SIGTERM ask the run to stop after the current step (a second Ctrl-C stops at once)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def train(
@@ -317,47 +293,6 @@ def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
 
 
 @dataclass
-class MetricsWindow:
-    """Training loss and accuracy summed since the last metrics record, and the seconds spent in those steps."""
-
-    loss: float = 0.0  # summed over images
-    top1: int = 0
-    top5: int = 0
-    count: int = 0  # images
-    steps: int = 0
-    seconds: float = 0.0
-
-    @torch.no_grad()
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """One micro-batch: its mean loss and its logits (B, K) against the true labels (B,)."""
-        self.loss += float(loss) * len(labels)
-        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        self.top1 += int((top5[:, 0] == labels).sum())
-        self.top5 += int((top5 == labels[:, None]).any(1).sum())
-        self.count += len(labels)
-
-    def add_step(self, seconds: float) -> None:
-        self.steps += 1
-        self.seconds += seconds
-
-    def flush(self, step: int, epoch: float, lr: float, batch_size: int) -> dict:
-        """The metrics.jsonl record of the window (on this process's images); the window starts again empty."""
-        n = max(self.count, 1)
-        record = {
-            "split": "train",
-            "step": step,
-            "epoch": epoch,
-            "lr": lr,
-            "loss": self.loss / n,
-            "top1": self.top1 / n,
-            "top5": self.top5 / n,
-            "images_per_s": self.steps * batch_size / max(self.seconds, 1e-9),
-        }
-        self.loss, self.top1, self.top5, self.count, self.steps, self.seconds = 0.0, 0, 0, 0, 0, 0.0
-        return record
-
-
-@dataclass
 class TrainState:
     """What the steps of a run share: the fixed set-up, then what changes from step to step. `checkpoint_state`
     saves the changing part with the RNG states, `restore` puts it back."""
@@ -399,28 +334,6 @@ def run_description(state: TrainState, learning: list[str]) -> dict:
         "steps_per_epoch": state.plan.steps_per_epoch,
         "learning_parameters": learning,
     }
-
-
-def check_data_order(saved: dict, config: TrainConfig, world: World, dataset, run_path: Path) -> None:
-    """Refuse to resume a run on packed shards with another number of processes or of DataLoader workers:
-    the shards' order depends on both (`vitkit.shards`), so the run would silently continue in another order,
-    with images of the current epoch seen twice or not at all and other epoch lengths. Image folders and
-    in-memory datasets give the same global batches for any count and resume with any."""
-    if not isinstance(dataset, ShardedDataset):
-        return
-    # Checkpoints from before the counts were recorded: one RNG state per process, the workers in the config.
-    saved_size = int(saved["world_size"] if "world_size" in saved else len(saved["rng"]))
-    saved_workers = int(saved["workers"] if "workers" in saved else json.loads(saved["config"])["workers"])
-    # Without workers the stream is read in the main process as one role, exactly as by one worker.
-    if saved_size == world.size and max(saved_workers, 1) == max(config.workers, 1):
-        return
-    raise ValueError(
-        f"--resume {run_path}: it streams packed shards in an order set by the number of processes and of "
-        f"DataLoader workers; it was saved with {saved_size} process(es) and --workers {saved_workers}, and would "
-        f"now run with {world.size} and --workers {config.workers}, which continues in another order, not the "
-        f"saved run's. Resume it with {saved_size} process(es) (torchrun --nproc_per_node) and --workers "
-        f"{saved_workers}; other counts need a new run (e.g. --checkpoint {run_path}/best.safetensors when it has one)."
-    )
 
 
 def restore(state: TrainState, saved: dict) -> None:
