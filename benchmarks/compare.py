@@ -14,7 +14,8 @@ Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same A
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
 and bf16, inference and training; long on a small CPU) or a part of it, e.g.
 `python benchmarks/compare.py --models ViT-S/16 --batches 1 8 --precisions fp32 --no-compile`.
-`--write docs/PERFORMANCE.md` replaces the generated block of that file with the new table.
+`--write docs/PERFORMANCE.md` replaces the generated block of that file with the new table (`--block NAME`: the
+block of that name, so that a part measured again can sit beside the whole table).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ import vitkit
 from vitkit.benchmark import machine
 from vitkit.optimization import bf16_is_native
 
-BEGIN, END = "<!-- compare.py: begin -->", "<!-- compare.py: end -->"
+def markers(block: str | None) -> tuple[str, str]:
+    """The comments around a generated table: `<!-- compare.py: begin -->`, or `<!-- compare.py NAME: begin -->`."""
+    name = "compare.py" if not block else f"compare.py {block}"
+    return f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
 
 
 def build_timm(config: vitkit.ViTConfig) -> torch.nn.Module:
@@ -182,12 +186,13 @@ def header(args: argparse.Namespace, command: str) -> str:
     )
 
 
-def write_block(path: Path, text: str) -> None:
-    """Replace the generated block of `path` (between the markers), or append one."""
+def write_block(path: Path, text: str, name: str | None = None) -> None:
+    """Replace the generated block `name` of `path` (between its markers), or append one."""
     doc = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc:
-        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
+    begin, end = markers(name)
+    block = f"{begin}\n{text}\n{end}"
+    if begin in doc:
+        doc = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, doc, flags=re.S)
     else:
         doc = doc.rstrip() + "\n\n" + block + "\n"
     path.write_text(doc)
@@ -207,6 +212,7 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave out timm + torch.compile")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--write", type=Path, help="markdown file whose generated block gets the table")
+    parser.add_argument("--block", help="name of the generated block to replace (default: the main table's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -222,7 +228,7 @@ def main() -> None:
                     rows.append({"model": name, "batch": batch, "precision": precision, "kind": kind, "rates": rates})
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
                     if args.write:  # after every cell, so a run cut short still leaves what it measured
-                        write_block(args.write, header(args, command) + "\n\n" + table(rows))
+                        write_block(args.write, header(args, command) + "\n\n" + table(rows), args.block)
     print(table(rows))
 
 

@@ -63,6 +63,32 @@ def test_sdpa_and_explicit_attention_agree(posemb):
     torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_training_attention_on_cpu_runs_in_fp32_and_matches_it(with_bias):
+    # Training in bf16 on a CPU, `attend` computes in fp32 (PyTorch's bf16 attention backward is slow there):
+    # its output is fp32 attention of the bf16 inputs, rounded to bf16, and its gradients are fp32's, rounded.
+    from vitkit.model import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    bias = torch.randn(3, 10, 10, generator=g).bfloat16() if with_bias else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attend(q, k, v, bias, 0.0)
+    assert y.dtype == torch.bfloat16
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    mask = None if bias is None else bias.float()
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask)
+    assert torch.equal(y.float(), ref.bfloat16().float())  # computed in fp32, then rounded once
+    grad = torch.randn(y.shape, generator=g)
+    y.backward(grad.bfloat16())
+    ref.backward(grad.bfloat16().float())
+    for t, t32 in ((q, q32), (k, k32), (v, v32)):
+        assert t.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(t.grad.float(), t32.grad, atol=0, rtol=2**-7)  # bf16 rounding of fp32's gradient
+    with torch.no_grad():  # inference keeps bf16 (fast in the forward pass)
+        assert attend(q, k, v, bias, 0.0).dtype == torch.bfloat16
+
+
 def test_forward_intermediates_names_and_shapes():
     model = tiny().eval()
     x = torch.randn(2, 3, 32, 32)

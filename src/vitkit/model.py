@@ -206,10 +206,24 @@ class MlpBlock(nn.Module):
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d), by `F.scaled_dot_product_attention`.
+
+    Training in bf16 on a CPU, it runs in fp32 and rounds the result to bf16: PyTorch's bf16 attention backward
+    on CPUs is 1.4x (ViT-B/16) to 5x (16-wide heads) slower than fp32's, casts included (docs/PERFORMANCE.md).
+    """
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and torch.is_grad_enabled():
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back to bf16
+            mask = None if bias is None else bias.float()
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with fused q, k, v projections (Appendix A).
 
-    The fast path is `F.scaled_dot_product_attention`; when the attention probabilities are asked for,
+    The fast path is `attend` (fused attention); when the attention probabilities are asked for,
     the same computation is written out with an explicit softmax and the probabilities are returned.
     """
 
@@ -236,7 +250,7 @@ class Attention(nn.Module):
             y = F.dropout(probs, p_drop, self.training) @ v
         else:
             probs = None
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
+            y = attend(q, k, v, bias, p_drop)
         return self.proj(y.transpose(1, 2).reshape(b, n, d)), probs
 
 
