@@ -38,6 +38,7 @@ import vitkit
 from vitkit.benchmark import machine
 from vitkit.optimization import bf16_is_native
 
+
 def markers(block: str | None) -> tuple[str, str]:
     """The comments around a generated table: `<!-- compare.py: begin -->`, or `<!-- compare.py NAME: begin -->`."""
     name = "compare.py" if not block else f"compare.py {block}"

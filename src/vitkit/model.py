@@ -206,7 +206,9 @@ class MlpBlock(nn.Module):
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d), by `F.scaled_dot_product_attention`.
 
     Training in bf16 on a CPU, it runs in fp32 and rounds the result to bf16: PyTorch's bf16 attention backward
