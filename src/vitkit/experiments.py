@@ -560,14 +560,14 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
             ax.set_ylabel("mean attention distance (px)")
         elif exp.x is not None:
             for i, s in enumerate(series):
-                pts = sorted((r["labels"][exp.x], r["metrics"][m]) for r in rows if str(r["labels"][exp.series]) == s
-                             and m in r["metrics"] and r["labels"][exp.x] is not None)  # fmt: skip
+                mine = [r for r in rows if str(r["labels"][exp.series]) == s and m in r["metrics"]]
+                pts = sorted((r["labels"][exp.x], r["metrics"][m]) for r in mine if r["labels"][exp.x] is not None)
                 if pts:
                     ax.errorbar([x for x, _ in pts], [100 * v["mean"] for _, v in pts],
                                 yerr=[100 * (v["std"] or 0) for _, v in pts], marker="o", color=f"C{i}", label=s,
                                 capsize=3)  # fmt: skip
-                for r in rows:  # a run not placed on the x axis (e.g. the frozen model): a level across it
-                    if str(r["labels"][exp.series]) == s and m in r["metrics"] and r["labels"][exp.x] is None:
+                for r in mine:  # a run not placed on the x axis (e.g. the frozen model): a level across it
+                    if r["labels"][exp.x] is None:
                         ax.axhline(100 * r["metrics"][m]["mean"], color=f"C{i}", linestyle="--", label=s)
             if exp.log_x:
                 ax.set_xscale("log")
@@ -582,7 +582,7 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(m.replace("_", " "))
         if exp.x is not None or m == "attention_distance":
             ax.legend(fontsize=7)
-    width = int(4.2 * max(len(metrics), 1) * 13)  # characters of 9-point text across the figure
+    width = int(fig.get_figwidth() * 13)  # characters of 9-point text across the figure
     fig.suptitle(textwrap.fill(exp.title, width), fontsize=9)
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
