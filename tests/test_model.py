@@ -89,6 +89,34 @@ def test_bf16_training_attention_on_cpu_runs_in_fp32_and_matches_it(with_bias):
         assert attend(q, k, v, bias, 0.0).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_training_attention_on_cpu_is_written_out_and_matches_sdpa(monkeypatch, dtype):
+    # Under torch.compile, CPU training takes `attend_explicit` (the compiler fuses it; faster than compiled SDPA).
+    # Compiling takes seconds, so the compiler's flag is set by hand: the same branch, the same arithmetic.
+    import vitkit.model as vm
+
+    explicit, calls = vm.attend_explicit, []
+    monkeypatch.setattr(vm, "attend_explicit", lambda *args: calls.append(1) or explicit(*args))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    bias = torch.randn(3, 10, 10, generator=g).to(dtype)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    y = vm.attend(q, k, v, bias, 0.0)
+    assert calls == [1] and y.dtype == dtype
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=bias.float())
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # bf16 matmuls
+    torch.testing.assert_close(y.float(), ref, **tol)
+    grad = torch.randn(y.shape, generator=g)
+    y.backward(grad.to(dtype))
+    ref.backward(grad.to(dtype).float())
+    for t, t32 in ((q, q32), (k, k32), (v, v32)):
+        torch.testing.assert_close(t.grad.float(), t32.grad, **tol)
+    with torch.no_grad():  # inference keeps the SDPA kernel
+        vm.attend(q, k, v, bias, 0.0)
+    assert calls == [1]
+
+
 def test_forward_intermediates_names_and_shapes():
     model = tiny().eval()
     x = torch.randn(2, 3, 32, 32)
