@@ -223,9 +223,7 @@ def attend(
         if q.dtype == torch.bfloat16:
             with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back to bf16
                 mask = None if bias is None else bias.float()
-                y = F.scaled_dot_product_attention(
-                    q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p
-                )
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
             return y.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
