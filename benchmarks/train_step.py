@@ -1,0 +1,108 @@
+"""Training-step images/s of one model, eager against `torch.compile`, measured side by side in one process.
+
+    python benchmarks/train_step.py                      # the main job's model, bf16 and fp32, 2 threads
+    python benchmarks/train_step.py --model-args num_heads=2 --precisions bf16
+
+Four ways to run the same step (forward, cross-entropy, backward, gradient clipping, AdamW):
+- "eager, Adam loop": the model as it runs without `--compile`, with AdamW's per-tensor loop;
+- "eager, fused Adam": the same with AdamW's fused kernel (what `vitkit train` uses);
+- "compiled, SDPA": `torch.compile` with attention left to `F.scaled_dot_product_attention` (in fp32 when the
+  step is bf16, as eager training on a CPU does);
+- "compiled, written out": `torch.compile` with `vitkit.model.attend_explicit`, what `vitkit train --compile`
+  runs on a CPU.
+Interleaved rounds, medians, ratios to the first; the CPU and its bf16 support are printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import vitkit.model as vm
+from vitkit.architectures import new_model
+from vitkit.cli import _mapping
+from vitkit.evaluation import autocast
+from vitkit.optimization import bf16_is_native
+from vitkit.recipes import SMALL_MODEL_ARGS
+
+WRITTEN_OUT = vm.attend_explicit
+
+
+def sdpa_attention(q, k, v, bias, dropout_p):
+    """Attention by the SDPA kernel, fp32 for bf16 inputs: what `attend` does for eager CPU training."""
+    if q.dtype == torch.bfloat16:
+        with torch.autocast("cpu", enabled=False):
+            mask = None if bias is None else bias.float()
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+
+
+def step_runner(args, precision: str, compiled: bool, fused: bool, attention):
+    model = new_model(args.model, **{**SMALL_MODEL_ARGS, "num_classes": 10, "in_chans": 1, "image_size": 28,
+                                     **args.model_args})  # fmt: skip
+    net = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=fused or None)
+    x = torch.randn(args.batch, model.config.in_chans, *model.config.image_size)
+    labels = torch.randint(0, model.config.num_classes, (args.batch,))
+
+    def run():
+        vm.attend_explicit = attention  # read when the compiler traces `attend`; the guards keep each variant's graph
+        with autocast(torch.device("cpu"), precision):
+            logits = net(x)
+        F.cross_entropy(logits.float(), labels).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="ViT-Ti/4")
+    p.add_argument("--model-args", type=_mapping, default={}, help="ViTConfig overrides of the main job's model")
+    p.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--min-seconds", type=float, default=1.5)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, bf16 native: {bf16_is_native('cpu')}, "
+          f"{args.threads} threads, torch {torch.__version__}; {args.model} {args.model_args or ''} "
+          f"batch {args.batch}; "
+          f"training-step images/s, median of {args.rounds} interleaved rounds of >= {args.min_seconds} s")  # fmt: skip
+    for precision in args.precisions:
+        runs = {
+            "eager, Adam loop": step_runner(args, precision, False, False, WRITTEN_OUT),
+            "eager, fused Adam": step_runner(args, precision, False, True, WRITTEN_OUT),
+            "compiled, SDPA": step_runner(args, precision, True, True, sdpa_attention),
+            "compiled, written out": step_runner(args, precision, True, True, WRITTEN_OUT),
+        }
+        for name, run in runs.items():
+            started = time.perf_counter()
+            for _ in range(3):
+                run()
+            print(f"  {precision} {name}: warm-up (compiling) {time.perf_counter() - started:.1f} s", flush=True)
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                started, n = time.perf_counter(), 0
+                while time.perf_counter() - started < args.min_seconds:
+                    run()
+                    n += 1
+                rates[name].append(args.batch * n / (time.perf_counter() - started))
+        first = statistics.median(next(iter(rates.values())))
+        for name, values in rates.items():
+            rate = statistics.median(values)
+            print(f"{precision:5s} {name:24s} {rate:7.0f} images/s  {rate / first:.2f}x")
+    vm.attend_explicit = WRITTEN_OUT
+
+
+if __name__ == "__main__":
+    main()
