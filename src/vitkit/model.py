@@ -213,7 +213,7 @@ def attend(
 
     Training on a CPU, two exceptions, both measured (docs/PERFORMANCE.md):
     - under `torch.compile`, `attend_explicit`: the compiler fuses the scale, softmax and casts around two
-      batched matmuls, and the main job's training step ran 1.25x faster than with the SDPA kernel compiled;
+      batched matmuls: the main job's compiled bf16 training step ran 1.12-1.19x faster than with SDPA compiled;
     - in bf16, SDPA in fp32 and the result rounded to bf16: PyTorch's bf16 attention backward on CPUs is 1.4x
       (ViT-B/16) to 5x (16-wide heads) slower than fp32's, casts included.
     """
