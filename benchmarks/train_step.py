@@ -6,8 +6,8 @@
 Four ways to run the same step (forward, cross-entropy, backward, gradient clipping, AdamW):
 - "eager, Adam loop": the model as it runs without `--compile`, with AdamW's per-tensor loop;
 - "eager, fused Adam": the same with AdamW's fused kernel (what `vitkit train` uses);
-- "compiled, SDPA": `torch.compile` with attention left to `F.scaled_dot_product_attention` (in fp32 when the
-  step is bf16, as eager training on a CPU does);
+- "compiled, SDPA": `torch.compile` with attention left to `vitkit.model.attend_sdpa`, the SDPA kernel (in fp32
+  when the step is bf16, as eager training on a CPU does);
 - "compiled, written out": `torch.compile` with `vitkit.model.attend_explicit`, what `vitkit train --compile`
   runs on a CPU.
 Interleaved rounds, medians, ratios to the first; the CPU and its bf16 support are printed with them.
@@ -30,16 +30,6 @@ from vitkit.optimization import bf16_is_native
 from vitkit.recipes import SMALL_MODEL_ARGS
 
 WRITTEN_OUT = vm.attend_explicit
-
-
-def sdpa_attention(q, k, v, bias, dropout_p):
-    """Attention by the SDPA kernel, fp32 for bf16 inputs: what `attend` does for eager CPU training."""
-    if q.dtype == torch.bfloat16:
-        with torch.autocast("cpu", enabled=False):
-            mask = None if bias is None else bias.float()
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
-        return y.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
 def step_runner(args, precision: str, compiled: bool, fused: bool, attention):
@@ -81,7 +71,7 @@ def main() -> None:
         runs = {
             "eager, Adam loop": step_runner(args, precision, False, False, WRITTEN_OUT),
             "eager, fused Adam": step_runner(args, precision, False, True, WRITTEN_OUT),
-            "compiled, SDPA": step_runner(args, precision, True, True, sdpa_attention),
+            "compiled, SDPA": step_runner(args, precision, True, True, vm.attend_sdpa),
             "compiled, written out": step_runner(args, precision, True, True, WRITTEN_OUT),
         }
         for name, run in runs.items():

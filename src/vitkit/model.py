@@ -209,22 +209,30 @@ class MlpBlock(nn.Module):
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d), by `F.scaled_dot_product_attention`.
+    """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d): `attend_sdpa`, or `attend_explicit` when a CPU trains
+    under `torch.compile`. The compiler fuses the written-out scale, softmax and casts around two batched matmuls,
+    and the main job's compiled bf16 training step ran 1.12-1.19x faster than with SDPA compiled
+    (docs/PERFORMANCE.md)."""
+    if torch.compiler.is_compiling() and _cpu_training(q):
+        return attend_explicit(q, k, v, bias, dropout_p)
+    return attend_sdpa(q, k, v, bias, dropout_p)
 
-    Training on a CPU, two exceptions, both measured (docs/PERFORMANCE.md):
-    - under `torch.compile`, `attend_explicit`: the compiler fuses the scale, softmax and casts around two
-      batched matmuls: the main job's compiled bf16 training step ran 1.12-1.19x faster than with SDPA compiled;
-    - in bf16, SDPA in fp32 and the result rounded to bf16: PyTorch's bf16 attention backward on CPUs is 1.4x
-      (ViT-B/16) to 5x (16-wide heads) slower than fp32's, casts included.
-    """
-    if q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled():
-        if torch.compiler.is_compiling():
-            return attend_explicit(q, k, v, bias, dropout_p)
-        if q.dtype == torch.bfloat16:
-            with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back to bf16
-                mask = None if bias is None else bias.float()
-                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
-            return y.to(q.dtype)
+
+def _cpu_training(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled()
+
+
+def attend_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """`attend` by `F.scaled_dot_product_attention`. Training in bf16 on a CPU, it runs in fp32 and rounds the
+    result to bf16: PyTorch's bf16 attention backward on CPUs is 1.4x (ViT-B/16) to 5x (16-wide heads) slower
+    than fp32's, casts included (docs/PERFORMANCE.md)."""
+    if q.dtype == torch.bfloat16 and _cpu_training(q):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back to bf16
+            mask = None if bias is None else bias.float()
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+        return y.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
