@@ -27,13 +27,13 @@ from vitkit.architectures import new_model
 from vitkit.cli import _mapping
 from vitkit.evaluation import autocast
 from vitkit.optimization import bf16_is_native
-from vitkit.recipes import SMALL_MODEL_ARGS
+from vitkit.recipes import MAIN_JOB_MODEL_ARGS, TrainConfig
 
 WRITTEN_OUT = vm.attend_explicit
 
 
 def step_runner(args, precision: str, compiled: bool, fused: bool, attention):
-    model = new_model(args.model, **{**SMALL_MODEL_ARGS, "num_classes": 10, "in_chans": 1, "image_size": 28,
+    model = new_model(args.model, **{**MAIN_JOB_MODEL_ARGS, "num_classes": 10, "in_chans": 1, "image_size": 28,
                                      **args.model_args})  # fmt: skip
     net = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=fused or None)
@@ -54,7 +54,7 @@ def step_runner(args, precision: str, compiled: bool, fused: bool, attention):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="ViT-Ti/4")
+    p.add_argument("--model", default=TrainConfig().model)
     p.add_argument("--model-args", type=_mapping, default={}, help="ViTConfig overrides of the main job's model")
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     p.add_argument("--batch", type=int, default=128)

@@ -41,6 +41,8 @@ def test_whole_image_crop_is_the_identity_and_train_equals_eval_without_augmenta
     x, y = train_batch(images, torch.arange(4), draws(4), (12, 10), none, num_classes=4)
     assert torch.equal(x, eval_batch(images, (12, 10))) and torch.equal(y, torch.arange(4))
     assert x.min() >= -1 and x.max() <= 1 and torch.allclose(x, images.float() / 127.5 - 1)
+    # The whole image at another model resolution is still resized (only the same size skips roi_align).
+    assert train_batch(images, torch.arange(4), draws(4), (24, 20), none, num_classes=4)[0].shape == (4, 3, 24, 20)
 
 
 def test_eval_resizes_the_whole_image_bilinearly_to_the_model_resolution():

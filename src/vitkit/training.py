@@ -52,7 +52,8 @@ from .efficiency import count_params
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
-from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
+from .optimization import resolve_precision
+from .recipes import AUTO_COMPILE_STEPS, TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
 from .runs import (
     SHARDED_CHECKPOINT,
     MetricsWindow,
@@ -139,6 +140,34 @@ def augment_config(config: TrainConfig, dataset) -> AugmentConfig:
     )
 
 
+def compiler_present(device: torch.device) -> bool:
+    """Whether torch.compile's default backend can build code here: Triton for CUDA, a C++ compiler for a CPU."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()  # runs `g++ --version` (or $CXX's), raising when there is none
+    except Exception:
+        return False
+    return True
+
+
+def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
+    """`compile` as given, or for None (auto): when the run is long enough to repay compiling
+    (`recipes.AUTO_COMPILE_STEPS`), the toolchain is here, and neither FSDP nor gradient checkpointing is on
+    (combinations the compiled path was not measured with)."""
+    if config.compile is not None:
+        return config.compile
+    if total_steps < AUTO_COMPILE_STEPS or config.grad_checkpointing:
+        return False
+    if config.strategy == "fsdp" and world.size > 1:
+        return False
+    return compiler_present(world.device)
+
+
 def step_seed(seed: int, step: int) -> int:
     """A well-mixed 63-bit seed for the augmentation of one step."""
     return int(np.random.SeedSequence([seed, step]).generate_state(2, np.uint64)[0] >> np.uint64(1))
@@ -188,6 +217,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
+    config = config.replace(precision=resolve_precision(config.precision, world.device))  # "auto" -> fp32 or bf16
     if saved is None and config.checkpoint is None:
         check_overrides(config.model, config.model_args)  # a typo fails now, not after the data has loaded
     torch.manual_seed(config.seed)
@@ -204,6 +234,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     if saved is not None:
         check_data_order(saved, config, world, train_set, run_path)  # before the plan: it depends on the counts
     plan = plan_steps(config, images_per_epoch(train_set, config, world), world)
+    config = config.replace(compile=should_compile(config, world, plan.total))  # what config.json records
     run = RunDir(run_path, enabled=world.is_main)
     state = TrainState(config, world, plan, augment_config(config, train_set), model, net, optimizer, run)
     state.session_start = started
