@@ -221,11 +221,20 @@ def test_auto_compile_needs_a_long_run_and_the_toolchain_and_stays_off_with_fsdp
     assert not should_compile(auto, one, 10**6)
 
 
-def test_compiler_present_is_false_without_a_cxx_compiler(monkeypatch):
+def test_compiler_present_is_false_without_a_cxx_compiler_or_pythons_headers(monkeypatch, tmp_path):
+    import sysconfig
+
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-    assert compiler_present(torch.device("cpu")) is False
+    cpu = torch.device("cpu")
+    if not compiler_present(cpu):
+        pytest.skip("needs a C++ compiler and Python's headers (python3-dev), so that removing one is seen")
+    with monkeypatch.context() as patch:
+        patch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+        assert compiler_present(cpu) is False
+    real = sysconfig.get_path
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(tmp_path) if name == "include" else real(name))
+    assert compiler_present(cpu) is False
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sysconfig
 import time
 import typing
 from collections.abc import Iterator
@@ -141,11 +142,14 @@ def augment_config(config: TrainConfig, dataset) -> AugmentConfig:
 
 
 def compiler_present(device: torch.device) -> bool:
-    """Whether torch.compile's default backend can build code here: Triton for CUDA, a C++ compiler for a CPU."""
+    """Whether torch.compile's default backend can build code here: Triton for CUDA; for a CPU a C++ compiler
+    and Python's C headers (inductor's CPU kernels are Python extensions; Debian ships them in python3-dev)."""
     if device.type == "cuda":
         from torch.utils._triton import has_triton
 
         return has_triton()
+    if not (Path(sysconfig.get_path("include")) / "Python.h").is_file():
+        return False
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     try:
