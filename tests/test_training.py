@@ -13,15 +13,15 @@ import vitkit
 from conftest import SMALL_ENCODER as TINY
 from conftest import SRC, assert_same_weights
 from conftest import run_weights as weights
-from vitkit import training
+from vitkit import recipes
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.distributed import World
 from vitkit.model import resample_grid
-from vitkit.optimization import resolve_precision
-from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig
+from vitkit.optimization import compiler_present, resolve_precision
+from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
 from vitkit.runs import read_checkpoint, read_metrics
-from vitkit.training import compiler_present, initial_model, should_compile, train
+from vitkit.training import initial_model, train
 
 
 def shapes_config(out_dir, **overrides) -> TrainConfig:
@@ -211,13 +211,13 @@ def test_auto_compile_needs_a_long_run_and_the_toolchain_and_stays_off_with_fsdp
     one, two = World(0, 1, cpu), World(0, 2, cpu)
     auto = TrainConfig()
     assert auto.compile is None and auto.precision == "auto"
-    monkeypatch.setattr(training, "compiler_present", lambda device: True)
+    monkeypatch.setattr(recipes, "compiler_present", lambda device: True)
     assert should_compile(auto, one, AUTO_COMPILE_STEPS) and not should_compile(auto, one, AUTO_COMPILE_STEPS - 1)
     assert not should_compile(auto.replace(grad_checkpointing=True), one, 10**6)
     assert not should_compile(auto.replace(strategy="fsdp"), two, 10**6) and should_compile(auto, two, 10**6)
     assert should_compile(auto.replace(compile=True), one, 1)
     assert not should_compile(auto.replace(compile=False), one, 10**6)
-    monkeypatch.setattr(training, "compiler_present", lambda device: False)
+    monkeypatch.setattr(recipes, "compiler_present", lambda device: False)
     assert not should_compile(auto, one, 10**6)
 
 

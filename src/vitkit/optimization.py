@@ -19,8 +19,10 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
+import sysconfig
 import typing
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,24 @@ def bf16_is_native(device: torch.device | str = "cpu") -> bool:
     if device.type == "cpu":
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return False
+
+
+def compiler_present(device: torch.device) -> bool:
+    """Whether torch.compile's default backend can build code here: Triton for CUDA; for a CPU a C++ compiler
+    and Python's C headers (inductor's CPU kernels are Python extensions; Debian ships them in python3-dev)."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    if not (Path(sysconfig.get_path("include")) / "Python.h").is_file():
+        return False
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()  # runs `g++ --version` (or $CXX's), raising when there is none
+    except Exception:
+        return False
+    return True
 
 
 def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:

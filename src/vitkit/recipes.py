@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .config import check_fields, check_type
-from .distributed import STRATEGIES
+from .distributed import STRATEGIES, World
+from .optimization import PRECISIONS, compiler_present  # precision auto: bf16 where native
 
 # The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
@@ -44,7 +45,6 @@ SCHEDULES: dict[str, Callable[[float], float]] = {  # the factor of the peak rat
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
     "linear": lambda progress: 1.0 - progress,
 }
-PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 where the device has it in hardware, else fp32
 TRAINABLE = ("full", "head", "attention", "mlp")
 NONFINITE = ("stop", "skip")
 
@@ -73,6 +73,19 @@ FINETUNE_DEFAULTS = {
     "label_smoothing": 0.0,
     "model_args": {},
 }
+
+
+def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
+    """`compile` as given, or for None (auto): when the run is long enough to repay compiling
+    (`AUTO_COMPILE_STEPS`), the toolchain is here, and neither FSDP nor gradient checkpointing is on
+    (combinations the compiled path was not measured with)."""
+    if config.compile is not None:
+        return config.compile
+    if total_steps < AUTO_COMPILE_STEPS or config.grad_checkpointing:
+        return False
+    if config.strategy == "fsdp" and world.size > 1:
+        return False
+    return compiler_present(world.device)
 
 
 def _field(default: Any, help: str, choices: Any = None) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sysconfig
 import time
 import typing
 from collections.abc import Iterator
@@ -54,7 +53,7 @@ from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .model import VisionTransformer
 from .optimization import resolve_precision
-from .recipes import AUTO_COMPILE_STEPS, TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable
+from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable, should_compile
 from .runs import (
     SHARDED_CHECKPOINT,
     MetricsWindow,
@@ -139,37 +138,6 @@ def augment_config(config: TrainConfig, dataset) -> AugmentConfig:
         randaugment=config.randaugment,
         mixup=config.mixup,
     )
-
-
-def compiler_present(device: torch.device) -> bool:
-    """Whether torch.compile's default backend can build code here: Triton for CUDA; for a CPU a C++ compiler
-    and Python's C headers (inductor's CPU kernels are Python extensions; Debian ships them in python3-dev)."""
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return has_triton()
-    if not (Path(sysconfig.get_path("include")) / "Python.h").is_file():
-        return False
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        get_cpp_compiler()  # runs `g++ --version` (or $CXX's), raising when there is none
-    except Exception:
-        return False
-    return True
-
-
-def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
-    """`compile` as given, or for None (auto): when the run is long enough to repay compiling
-    (`recipes.AUTO_COMPILE_STEPS`), the toolchain is here, and neither FSDP nor gradient checkpointing is on
-    (combinations the compiled path was not measured with)."""
-    if config.compile is not None:
-        return config.compile
-    if total_steps < AUTO_COMPILE_STEPS or config.grad_checkpointing:
-        return False
-    if config.strategy == "fsdp" and world.size > 1:
-        return False
-    return compiler_present(world.device)
 
 
 def step_seed(seed: int, step: int) -> int:
