@@ -55,7 +55,9 @@ def test_every_train_option_has_its_field_description_and_the_registries_choices
         assert field_help(name)[0] in text, name
     for registry in (sorted(DATASETS), tuple(OPTIMIZERS), tuple(SCHEDULES), PRECISIONS, TRAINABLE):
         assert "|".join(registry) in text
-    assert "default adamw" in text and "default 0.003" in text and "default 24" in text
+    defaults = TrainConfig()  # the main job's: each option shows its field's default
+    assert f"default {defaults.optimizer}" in text and f"default {defaults.lr:g}" in text
+    assert f"default {defaults.epochs:g}" in text and "default 0.9 0.98" in text
 
 
 def test_finetune_help_shows_the_finetuning_recipe_defaults_not_trains(capsys):

@@ -68,7 +68,8 @@ def test_fsdp_keeps_weight_decay_groups_and_gathers_bf16_weights_while_reducing_
     for group, plain_group in zip(optimizer.param_groups, plain.param_groups, strict=True):
         assert [names[id(p)] for p in group["params"]] == [plain_names[id(p)] for p in plain_group["params"]]
         assert group["weight_decay"] == plain_group["weight_decay"]
-    assert optimizer.param_groups[0]["weight_decay"] == 0.05 and optimizer.param_groups[1]["weight_decay"] == 0.0
+    decay = TrainConfig().weight_decay
+    assert optimizer.param_groups[0]["weight_decay"] == decay and optimizer.param_groups[1]["weight_decay"] == 0.0
     seen = []
     model.blocks[0].mlp.fc1.register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
     model(torch.randn(2, 3, 16, 16)).float().sum().backward()
@@ -92,7 +93,7 @@ def test_sharded_checkpoint_round_trips_and_refuses_pickled_objects(tmp_path, on
     assert load_sharded(tmp_path / "ck", again, optimizer2) == {"step": 7}
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
-    assert optimizer2.state_dict()["param_groups"][0]["weight_decay"] == 0.05
+    assert optimizer2.state_dict()["param_groups"][0]["weight_decay"] == TrainConfig().weight_decay
     # A .metadata that would run code when unpickled is refused before anything is loaded.
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(os.system))
     with pytest.raises(pickle.UnpicklingError, match="refusing to load posix.system"):

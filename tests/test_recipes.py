@@ -58,7 +58,8 @@ def test_adamw_uses_the_fused_kernel_on_plain_tensors_with_the_loops_result():
     start = model.embedding.weight.detach().clone()
     config = TrainConfig(lr=0.01)
     fused = build_optimizer(model, config)
-    loop = torch.optim.AdamW(param_groups(reference, config.weight_decay), lr=config.lr, foreach=False)
+    loop = torch.optim.AdamW(param_groups(reference, config.weight_decay), lr=config.lr, betas=config.betas,
+                             foreach=False)  # fmt: skip
     assert fused.defaults["fused"] is True and not loop.defaults["fused"]
     x, target = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     for _ in range(3):

@@ -139,6 +139,7 @@ def mnist_run(tmp_path_factory):
     config = TrainConfig(
         data="mnist-5k", model="ViT-Ti/7", batch_size=100, epochs=4, lr=3e-3, eval_every=2, log_every=10,
         model_args={"hidden_size": 48, "num_layers": 2, "mlp_dim": 96, "num_heads": 3}, out_dir=str(out), threads=1,
+        precision="fp32",  # what `vitkit eval` computes by default, so that it reproduces the run's own top-1
     )  # fmt: skip
     return train(config)
 
