@@ -55,8 +55,9 @@ SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_hea
 # The main job's recipe before 0.2, which the experiments keep, so that their runs and results stay as recorded.
 SMALL_RECIPE = {"model": "ViT-Ti/4", "lr": 2e-3, "weight_decay": 0.05, "betas": (0.9, 0.999), "label_smoothing": 0.0,
                 "epochs": 6.0, "precision": "fp32", "compile": False}  # fmt: skip
-# `compile=None` (auto) compiles a run of at least this many optimiser steps: compiling takes about 40 s on 2 CPU
-# cores, and the compiled bf16 step of the main job saved about 25 ms (1.6x), so it pays after some 1,500 steps.
+# `compile=None` (auto) compiles a run of at least this many optimiser steps: compiling takes 40-75 s on 2 CPU
+# cores from a cold cache (seconds from a warm one), and the compiled bf16 step of the main job saved about 25 ms
+# (1.6x), so it pays after some 1,500-3,000 steps.
 AUTO_COMPILE_STEPS = 2000
 
 # `vitkit finetune`: the official fine-tuning recipe, applied before the user's own overrides.
@@ -150,7 +151,7 @@ class TrainConfig:
     grad_checkpointing: bool = _field(False, "recompute each block in backward instead of keeping its activations")
     compile: bool | None = _field(
         None,
-        f"torch.compile the model for training (about 40 s to compile on 2 CPU cores); default: when the run has "
+        f"torch.compile the model for training (40-75 s to compile on 2 CPU cores, once); default: when the run has "
         f"{AUTO_COMPILE_STEPS}+ steps and the compiler's toolchain is here (not with fsdp or grad_checkpointing)",
     )
     device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
