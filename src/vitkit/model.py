@@ -377,10 +377,9 @@ class VisionTransformer(nn.Module):
             x, stem_out = self.stem.forward_intermediates(x)
             if out is not None:
                 out.update({f"stem/{k}": v for k, v in stem_out.items()})
-        grid = (x.shape[-2] // self.embedding.stride[0], x.shape[-1] // self.embedding.stride[1])
         x = self.patch_embed(x)  # (B, gh*gw, D), row-major patches
         if out is not None:
-            out["embedding"] = x.unflatten(1, grid)  # (B, gh, gw, D)
+            out["embedding"] = x.unflatten(1, self.config.grid_size)  # (B, gh, gw, D); the input size was checked
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, N+1, D)
         return self.dropout(self.posemb(x))
