@@ -5,10 +5,10 @@ What it does (each step measured on the machine it was written on; figures in do
 - a copy in eval mode with every parameter frozen, so no autograd state is kept;
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
-- on CPUs, every linear layer's weight packed once where that pays (`packing_pays`): fp32 for MKL's GEMM
-  (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits) on CPUs without AVX-512, used for
-  small batches where repacking at every call costs; bf16 (where native) for oneDNN's linear
-  (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), at every size;
+- on CPUs, every linear layer's weight packed where that pays (`packing_pays`): fp32 for MKL's GEMM
+  (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits), one packing per number of rows up
+  to `PACKED_MAX_ROWS`, where repacking the weight at every call costs; bf16 (where native) for oneDNN's linear
+  (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), at every size, with the MLP's GELU fused in;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import VisionTransformer
+from .model import MlpBlock, VisionTransformer
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -70,45 +70,66 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     return precision
 
 
-# fp32: packing pays where the weight's repacking is a large share of the work: for ViT-S/16's MLP at batch 1
-# (197 rows) the packed GEMM ran 1.29x faster, at batch 8 (1,576 rows) 0.97-1.05x (docs/PERFORMANCE.md).
-PACKED_MAX_ROWS = 1024
+# fp32: MKL's packed GEMM is packed for one number of rows (`_mkl_linear` falls back to `F.linear` for any other), so
+# each row count gets its own packing, made at its first call. Measured against the plain model (ViT-S/16 and
+# ViT-B/16 on AVX-512, docs/PERFORMANCE.md): 1.23-1.32x at batch 1 (197 rows), 1.09x at batch 8 (1,576 rows),
+# 0.92x at batch 64 (12,608 rows); above `PACKED_MAX_ROWS` the layer calls `F.linear`.
+PACKED_MAX_ROWS = 2048
+MAX_PACKINGS = 8  # row counts kept per layer (each one a copy of the weight); the oldest is dropped first
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight packed once for the CPU's GEMM library; the same result as `F.linear`.
+    """`nn.Linear` with its weight packed for the CPU's GEMM library, optionally followed by a GELU; the same
+    result as `F.linear` (and `F.gelu`).
 
-    fp32: MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what `torch.compile(freezing)` emits), up to
-    `PACKED_MAX_ROWS` rows. bf16: oneDNN's packed linear (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16
-    kernel), at every size: it skips the weight's reorder for AVX-512 BF16 / AMX at each call (ViT-S/16 batch 1
-    ran 1.17x faster, batch 8 on par, with bit-identical outputs)."""
+    fp32: MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what `torch.compile(freezing)` emits), packed for each
+    row count up to `PACKED_MAX_ROWS` at its first call. bf16: oneDNN's packed linear
+    (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), packed once for every size: it skips the
+    weight's reorder for AVX-512 BF16 / AMX at each call, and computes the GELU on the fp32 accumulator before
+    rounding to bf16 (one pass over the output fewer). `gelu`: None, or nn.GELU's `approximate` ("none", "tanh")."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, gelu: str | None = None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.gelu = linear.in_features, linear.out_features, gelu
         # Still parameters (frozen), so that parameter counts and state dicts read as the model's own.
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        # The packing takes a batch size hint; the packed layout serves every batch size.
-        if self.weight.dtype == torch.bfloat16:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-        else:
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
-        self.register_buffer("packed", packed, persistent=False)
+        self.packings: dict[int, torch.Tensor] = {}  # fp32: rows -> MKL packing
+        if self.weight.dtype == torch.bfloat16:  # the batch size hint of 1 serves every number of rows
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(self.weight, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        if x.dtype == torch.bfloat16:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        rows = x.numel() // self.in_features
-        if rows > PACKED_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
+        if x.dtype == self.weight.dtype and x.device.type == "cpu":
+            if x.dtype == torch.bfloat16:
+                attr, algorithm = ("none", "") if self.gelu is None else ("gelu", self.gelu)
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
+            rows = x.numel() // self.in_features
+            if rows <= PACKED_MAX_ROWS:
+                y = torch.ops.mkl._mkl_linear(x, self.packing(rows), self.weight, self.bias, rows)
+                return y if self.gelu is None else F.gelu(y, approximate=self.gelu)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.gelu is None else F.gelu(y, approximate=self.gelu)
+
+    def packing(self, rows: int) -> torch.Tensor:
+        """The weight packed for MKL's GEMM with `rows` rows, made at the first call with that many rows."""
+        if rows not in self.packings:
+            if len(self.packings) >= MAX_PACKINGS:
+                del self.packings[next(iter(self.packings))]
+            self.packings[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+        return self.packings[rows]
+
+    def __deepcopy__(self, memo: dict) -> PackedLinear:
+        """A copy packed afresh: packed weights are opaque oneDNN tensors, which cannot be copied."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(copy.deepcopy(self.weight.detach(), memo), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(copy.deepcopy(self.bias.detach(), memo), requires_grad=False)
+        return PackedLinear(linear, self.gelu)
 
     def extra_repr(self) -> str:
         library = "oneDNN" if self.weight.dtype == torch.bfloat16 else "MKL"
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {library}"
+        gelu = "" if self.gelu is None else f", then GELU (approximate={self.gelu!r})"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {library}{gelu}"
 
 
 def packing_available(precision: str) -> bool:
@@ -124,11 +145,9 @@ def packing_available(precision: str) -> bool:
 
 
 def packing_pays(precision: str) -> bool:
-    """Whether `optimize` packs by default: bf16 wherever it can; fp32 on CPUs without AVX-512, where MKL's packed
-    GEMM ran 1.29x at batch 1 (AVX2), while on AVX-512 it ran 0.90-1.0x of the plain model (docs/PERFORMANCE.md)."""
-    if precision == "bf16":
-        return packing_available("bf16")
-    return packing_available("fp32") and torch.backends.cpu.get_cpu_capability() != "AVX512"
+    """Whether `optimize` packs by default: wherever it can. fp32 packs up to `PACKED_MAX_ROWS` rows (ViT-S/16 and
+    ViT-B/16 ran 1.09-1.32x at batch 1 and 8 on AVX-512); bf16 at every size where bf16 is native."""
+    return packing_available(precision)
 
 
 def optimize(
@@ -170,7 +189,11 @@ def optimize(
 
 
 def _replace_linears(module: nn.Module) -> None:
+    """Every nn.Linear -> PackedLinear; an MLP's GELU moves into its first layer (fused there in bf16)."""
     for name, child in module.named_children():
+        if type(child) is MlpBlock and type(child.act) is nn.GELU and type(child.fc1) is nn.Linear:
+            child.register_module("fc1", PackedLinear(child.fc1, gelu=child.act.approximate))
+            child.register_module("act", nn.Identity())
         if type(child) is nn.Linear:
             setattr(module, name, PackedLinear(child))
         else:
