@@ -2,7 +2,9 @@
 
 For each model, batch size, precision and kind (inference, or a training step: forward, backward, AdamW), every
 contender runs in interleaved rounds in this one process (each round led by another one) and the median is kept,
-so that noise from other work on the machine hits all of them alike; the ratios are what to read. Contenders:
+so that noise from other work on the machine hits all of them alike; the ratios are what to read (vitkit over the
+best peer: the median of the two's ratios within each round, which cancels the machine's drift between rounds).
+Contenders:
 
 - vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (bf16: weights cast once);
 - timm: eager (bf16: autocast), and its best CPU option, `torch.utils.mkldnn.to_mkldnn` or `torch.compile`
@@ -137,8 +139,8 @@ def seconds_per_call(run, min_seconds: float) -> float:
             return spent / calls
 
 
-def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str, float]:
-    """images/s per contender, median of interleaved rounds, after one warm-up call each."""
+def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str, list[float]]:
+    """images/s per contender in each of the interleaved rounds, after one warm-up call each."""
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -146,20 +148,22 @@ def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str
     for i in range(rounds):  # each round starts with another contender, so none always runs first
         for name in names[i % len(names) :] + names[: i % len(names)]:
             times[name].append(seconds_per_call(runs[name], min_seconds))
-    return {name: batch / statistics.median(t) for name, t in times.items()}
+    return {name: [batch / t for t in ts] for name, ts in times.items()}
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: images/s of each contender and vitkit's best / the best peer."""
+    """Markdown: median images/s of each contender, and vitkit's best over the best peer (the peer of the highest
+    median): the median of the two's ratios round by round, so that the machine's drift between rounds cancels."""
     head = ("| model | batch | precision | kind | vitkit | vitkit optimized | timm | timm best CPU option | HF "
             "| vitkit / best peer |")  # fmt: skip
     lines = [head, "|" + "---|" * 10]
     for r in rows:
-        rates = r["rates"]
+        rates = {k: statistics.median(v) for k, v in r["rates"].items()}
         timm_best = max((k for k in rates if k.startswith("timm ")), key=rates.get, default=None)
         peers = {k: v for k, v in rates.items() if not k.startswith("vitkit")}
-        ours = rates.get("vitkit optimized", rates["vitkit"])  # inference: the optimized copy; training: plain
+        ours = "vitkit optimized" if "vitkit optimized" in rates else "vitkit"  # inference: the optimized copy
         best_peer = max(peers, key=peers.get)
+        ratio = statistics.median(a / b for a, b in zip(r["rates"][ours], r["rates"][best_peer], strict=True))
 
         def cell(key, rates=rates):
             return f"{rates[key]:.2f}" if key in rates else "-"
@@ -168,7 +172,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['precision']} | {r['kind']} | {cell('vitkit')} | "
             f"{cell('vitkit optimized')} | {cell('timm')} | {best} | {cell('HF')} | "
-            f"**{ours / peers[best_peer]:.2f}x** ({best_peer}) |"
+            f"**{ratio:.2f}x** ({best_peer}) |"
         )
     return "\n".join(lines)
 
@@ -183,7 +187,8 @@ def header(args: argparse.Namespace, command: str) -> str:
         f"`{m['cpu_capability']}`, bf16 native: {'yes' if bf16_is_native() else 'no (emulated by oneDNN)'}, "
         f"{m['threads']} threads; torch {torch.__version__}, timm {timm.__version__}, transformers "
         f"{transformers.__version__}, Python {m['python']}. images/s, median of {args.rounds} interleaved rounds "
-        f"(each at least {args.min_seconds} s) in one process.\n\nCommand: `{command}`"
+        f"(each at least {args.min_seconds} s) in one process; the ratio is the median of the rounds' ratios."
+        f"\n\nCommand: `{command}`"
     )
 
 
