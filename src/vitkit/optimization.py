@@ -119,7 +119,7 @@ class PackedLinear(nn.Module):
         return self.packings[rows]
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:
-        """A copy packed afresh: packed weights are opaque oneDNN tensors, which cannot be copied."""
+        """A copy packed afresh: packed weights are opaque (mkldnn) tensors, which cannot be copied."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight = nn.Parameter(copy.deepcopy(self.weight.detach(), memo), requires_grad=False)
         if self.bias is not None:
