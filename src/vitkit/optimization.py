@@ -99,15 +99,15 @@ class PackedLinear(nn.Module):
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(self.weight, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype and x.device.type == "cpu":
-            if x.dtype == torch.bfloat16:
-                attr, algorithm = ("none", "") if self.gelu is None else ("gelu", self.gelu)
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
-            rows = x.numel() // self.in_features
-            if rows <= PACKED_MAX_ROWS:
-                y = torch.ops.mkl._mkl_linear(x, self.packing(rows), self.weight, self.bias, rows)
-                return y if self.gelu is None else F.gelu(y, approximate=self.gelu)
-        y = F.linear(x, self.weight, self.bias)
+        packed_here = x.dtype == self.weight.dtype and x.device.type == "cpu"
+        if packed_here and x.dtype == torch.bfloat16:  # the GELU runs inside oneDNN's kernel
+            attr, algorithm = ("none", "") if self.gelu is None else ("gelu", self.gelu)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
+        rows = x.numel() // self.in_features
+        if packed_here and rows <= PACKED_MAX_ROWS:
+            y = torch.ops.mkl._mkl_linear(x, self.packing(rows), self.weight, self.bias, rows)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return y if self.gelu is None else F.gelu(y, approximate=self.gelu)
 
     def packing(self, rows: int) -> torch.Tensor:
