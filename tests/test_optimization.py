@@ -108,22 +108,30 @@ def test_optimize_leaves_the_original_model_untouched():
     assert fast.state_dict().keys() == model.state_dict().keys()
 
 
-def test_fp32_packed_linear_runs_the_gemm_packed_for_each_row_count():
-    if not opt.packing_available("fp32"):
-        pytest.skip("this torch build has no MKL (torch.ops.mkl._mkl_linear)")
-    linear = torch.nn.Linear(24, 40)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision):
+    if not opt.packing_available(precision):
+        pytest.skip(f"this CPU or torch build cannot pack {precision} weights (MKL; oneDNN with native bf16)")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    linear = torch.nn.Linear(24, 40).to(dtype)
     packed = PackedLinear(linear)
+    pack = torch.ops.mkldnn._reorder_linear_weight if precision == "bf16" else torch.ops.mkl._mkl_reorder_linear_weight
     with torch.no_grad():
-        packed(torch.randn(2, 7, 24))
+        packed(torch.randn(2, 7, 24, dtype=dtype))
         assert list(packed.packings) == [14]
-        # MKL's packed GEMM runs only for the row count it was packed for (else it falls back to F.linear). Swap
-        # in the packing of a zero weight: the bias alone comes out, so the packed GEMM is what ran.
-        packed.packings[14] = torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(40, 24), 14)
-        torch.testing.assert_close(packed(torch.randn(14, 24)), linear.bias.expand(14, 40), rtol=0, atol=0)
-        packed(torch.randn(opt.PACKED_MAX_ROWS + 1, 24))  # above the limit: F.linear, nothing packed
+        # MKL's packed GEMM runs only for the row count it was packed for (else it falls back to F.linear); oneDNN's
+        # runs any, packed for the row count or not. Swap in the packing of a zero weight: the bias alone comes out,
+        # so the packing for 14 rows is what ran.
+        packed.packings[14] = pack(torch.zeros(40, 24, dtype=dtype), 14)
+        torch.testing.assert_close(packed(torch.randn(14, 24, dtype=dtype)), linear.bias.expand(14, 40), rtol=0, atol=0)
+        # above the limit: fp32 F.linear, bf16 the packing with a hint of 1 row; nothing packed for the rows
+        torch.testing.assert_close(packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
+                                   linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)))  # fmt: skip
         assert list(packed.packings) == [14]
-        for rows in range(1, opt.MAX_PACKINGS + 2):
-            packed(torch.randn(rows, 24))
+        packed(torch.randn(1, 24, dtype=dtype))
+        assert (1 in packed.packings) == (precision == "fp32")  # bf16 serves one row with the hint of 1's packing
+        for rows in range(2, opt.MAX_PACKINGS + 2):
+            packed(torch.randn(rows, 24, dtype=dtype))
         assert list(packed.packings) == list(range(2, opt.MAX_PACKINGS + 2))  # the oldest dropped first
 
 

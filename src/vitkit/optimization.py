@@ -8,7 +8,8 @@ What it does (each step measured on the machine it was written on; figures in do
 - on CPUs, every linear layer's weight packed where that pays (`packing_pays`): fp32 for MKL's GEMM
   (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits), one packing per number of rows up
   to `PACKED_MAX_ROWS`, where repacking the weight at every call costs; bf16 (where native) for oneDNN's linear
-  (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), at every size, with the MLP's GELU fused in;
+  (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), with the MLP's GELU fused in, packed for the
+  number of rows up to `PACKED_MAX_ROWS` too, and above it once for every size;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
@@ -74,6 +75,10 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 # each row count gets its own packing, made at its first call. Measured against the plain model (ViT-S/16 and
 # ViT-B/16 on AVX-512, docs/PERFORMANCE.md): 1.23-1.32x at batch 1 (197 rows), 1.09x at batch 8 (1,576 rows),
 # 0.92x at batch 64 (12,608 rows); above `PACKED_MAX_ROWS` the layer calls `F.linear`.
+# bf16: oneDNN's packing takes a hint of the number of rows, which sets the blocking of its kernel; a hint of 1
+# serves every size. Packed for the row count instead, against a hint of 1 (whole models, side by side, Emerald
+# Rapids Xeon with AMX): ViT-S/16 1.01-1.18x at batch 8 and 1.00x at batch 1, ViT-B/16 1.10-1.22x at batch 8 and
+# 1.11-1.16x at batch 1; at batch 64 ViT-S/16 1.11x but ViT-B/16 0.97x, so above `PACKED_MAX_ROWS` the hint stays 1.
 PACKED_MAX_ROWS = 2048
 MAX_PACKINGS = 8  # row counts kept per layer (each one a copy of the weight); the oldest is dropped first
 
@@ -83,8 +88,9 @@ class PackedLinear(nn.Module):
     result as `F.linear` (and `F.gelu`).
 
     fp32: MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what `torch.compile(freezing)` emits), packed for each
-    row count up to `PACKED_MAX_ROWS` at its first call. bf16: oneDNN's packed linear
-    (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), packed once for every size: it skips the
+    row count up to `PACKED_MAX_ROWS` at its first call; above it `F.linear`. bf16: oneDNN's packed linear
+    (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), packed for each row count up to
+    `PACKED_MAX_ROWS` the same way, and above it once for every size (`packed`, a hint of 1 row): it skips the
     weight's reorder for AVX-512 BF16 / AMX at each call, and computes the GELU on the fp32 accumulator before
     rounding to bf16 (one pass over the output fewer). `gelu`: None, or nn.GELU's `approximate` ("none", "tanh")."""
 
@@ -94,16 +100,17 @@ class PackedLinear(nn.Module):
         # Still parameters (frozen), so that parameter counts and state dicts read as the model's own.
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.packings: dict[int, torch.Tensor] = {}  # fp32: rows -> MKL packing
+        self.packings: dict[int, torch.Tensor] = {}  # rows -> the weight packed for that many rows
         if self.weight.dtype == torch.bfloat16:  # the batch size hint of 1 serves every number of rows
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(self.weight, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed_here = x.dtype == self.weight.dtype and x.device.type == "cpu"
+        rows = x.numel() // self.in_features
         if packed_here and x.dtype == torch.bfloat16:  # the GELU runs inside oneDNN's kernel
             attr, algorithm = ("none", "") if self.gelu is None else ("gelu", self.gelu)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
-        rows = x.numel() // self.in_features
+            weight = self.packing(rows) if 1 < rows <= PACKED_MAX_ROWS else self.packed
+            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, attr, [], algorithm)
         if packed_here and rows <= PACKED_MAX_ROWS:
             y = torch.ops.mkl._mkl_linear(x, self.packing(rows), self.weight, self.bias, rows)
         else:
@@ -111,11 +118,15 @@ class PackedLinear(nn.Module):
         return y if self.gelu is None else F.gelu(y, approximate=self.gelu)
 
     def packing(self, rows: int) -> torch.Tensor:
-        """The weight packed for MKL's GEMM with `rows` rows, made at the first call with that many rows."""
+        """The weight packed for `rows` rows (MKL's GEMM in fp32, oneDNN's in bf16), made at the first call with that
+        many rows."""
         if rows not in self.packings:
             if len(self.packings) >= MAX_PACKINGS:
                 del self.packings[next(iter(self.packings))]
-            self.packings[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+            if self.weight.dtype == torch.bfloat16:
+                self.packings[rows] = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
+            else:
+                self.packings[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
         return self.packings[rows]
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:
@@ -146,7 +157,8 @@ def packing_available(precision: str) -> bool:
 
 def packing_pays(precision: str) -> bool:
     """Whether `optimize` packs by default: wherever it can. fp32 packs up to `PACKED_MAX_ROWS` rows (ViT-S/16 and
-    ViT-B/16 ran 1.09-1.32x at batch 1 and 8 on AVX-512); bf16 at every size where bf16 is native."""
+    ViT-B/16 ran 1.09-1.32x at batch 1 and 8 on AVX-512); bf16 at every size where bf16 is native, for the number
+    of rows up to `PACKED_MAX_ROWS`."""
     return packing_available(precision)
 
 
