@@ -77,8 +77,9 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 # 0.92x at batch 64 (12,608 rows); above `PACKED_MAX_ROWS` the layer calls `F.linear`.
 # bf16: oneDNN's packing takes a hint of the number of rows, which sets the blocking of its kernel; a hint of 1
 # serves every size. Packed for the row count instead, against a hint of 1 (whole models, side by side, Emerald
-# Rapids Xeon with AMX): ViT-S/16 1.01-1.18x at batch 8 and 1.00x at batch 1, ViT-B/16 1.10-1.22x at batch 8 and
-# 1.11-1.16x at batch 1; at batch 64 ViT-S/16 1.11x but ViT-B/16 0.97x, so above `PACKED_MAX_ROWS` the hint stays 1.
+# Rapids Xeon with AMX): ViT-S/16 1.01-1.18x at batch 8 and 0.99-1.00x at batch 1, ViT-B/16 1.10-1.22x at batch 8
+# and 1.05-1.16x at batch 1; at batch 64 ViT-S/16 1.11x but ViT-B/16 0.97x, so above `PACKED_MAX_ROWS` the hint
+# stays 1. (The first Xeon, earlier: 1.14x against 1.06x over the plain model at batch 1, 1.16x against 1.21x at 8.)
 PACKED_MAX_ROWS = 2048
 MAX_PACKINGS = 8  # row counts kept per layer (each one a copy of the weight); the oldest is dropped first
 
