@@ -17,7 +17,9 @@ Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 
 and bf16, inference and training; long on a small CPU) or a part of it, e.g.
 `python benchmarks/compare.py --models ViT-S/16 --batches 1 8 --precisions fp32 --no-compile`.
 `--write docs/PERFORMANCE.md` replaces the generated block of that file with the new table (`--block NAME`: the
-block of that name, so that a part measured again can sit beside the whole table).
+block of that name, so that a part measured again can sit beside the whole table). On a machine whose speed
+changes from second to second, `--min-seconds 0 --rounds 30` times one call per contender and round: paired
+single calls, the order rotated each round.
 """
 
 from __future__ import annotations
