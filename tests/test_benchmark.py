@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import vitkit
-from vitkit.benchmark import PeakMemory, largest_batches
+from vitkit import optimization as opt
+from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches
 from vitkit.cli import main
 
 TINY = "hidden_size=16,num_layers=1,mlp_dim=32,num_heads=2,num_classes=4"
@@ -36,6 +37,25 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
 def test_bench_rejects_an_unknown_precision_with_the_choices():
     with pytest.raises(ValueError, match="choose from fp32, bf16"):
         vitkit.bench("ViT-Ti/8", precisions=("fp16",), progress=False)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_memory_of_an_optimized_copy_counts_its_own_weights_and_packings(precision):
+    if not opt.packing_available(precision):
+        pytest.skip(f"this CPU or torch build cannot pack {precision} weights (MKL; oneDNN with native bf16)")
+    model = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=2, num_classes=2).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert _state_bytes(model) == weights
+    fast = opt.optimize(model, precision)
+    own = weights // 2 if precision == "bf16" else weights  # bf16: the weights cast once
+    linears = [m for m in fast.modules() if isinstance(m, opt.PackedLinear)]
+    packed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    assert _state_bytes(fast) == own  # nothing packed before the first call
+    with torch.inference_mode():
+        fast(torch.randn(2, 3, 32, 32))
+        fast(torch.randn(3, 3, 32, 32))
+    assert all(len(m.packings) == 2 for m in linears)
+    assert _state_bytes(fast) == own + 2 * packed  # one packed copy of each linear weight per batch size
 
 
 def test_peak_memory_counts_the_activations_a_training_step_keeps():

@@ -124,13 +124,11 @@ def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision):
         # so the packing for 14 rows is what ran.
         packed.packings[14] = pack(torch.zeros(40, 24, dtype=dtype), 14)
         torch.testing.assert_close(packed(torch.randn(14, 24, dtype=dtype)), linear.bias.expand(14, 40), rtol=0, atol=0)
-        # above the limit: fp32 F.linear, bf16 the packing with a hint of 1 row; nothing packed for the rows
+        # above the limit: fp32 F.linear, nothing packed; bf16 the packing for 1 row
         torch.testing.assert_close(packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
                                    linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)))  # fmt: skip
-        assert list(packed.packings) == [14]
-        packed(torch.randn(1, 24, dtype=dtype))
-        assert (1 in packed.packings) == (precision == "fp32")  # bf16 serves one row with the hint of 1's packing
-        for rows in range(2, opt.MAX_PACKINGS + 2):
+        assert list(packed.packings) == ([14] if precision == "fp32" else [14, 1])
+        for rows in range(1, opt.MAX_PACKINGS + 2):
             packed(torch.randn(rows, 24, dtype=dtype))
         assert list(packed.packings) == list(range(2, opt.MAX_PACKINGS + 2))  # the oldest dropped first
 

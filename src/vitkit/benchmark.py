@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
 from .model import VisionTransformer
-from .optimization import bf16_is_native, optimize
+from .optimization import PackedLinear, bf16_is_native, optimize
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")
@@ -95,15 +95,23 @@ class PeakMemory(TorchDispatchMode):
 
 
 def _state_bytes(*objects) -> int:
-    """Bytes held by the parameters and buffers of modules and the state of optimisers."""
+    """Bytes held by the parameters and buffers of modules (with the packed weights of `optimize`'s copies) and
+    the state of optimisers."""
     seen, total = set(), 0
     for obj in objects:
         tensors = []
         if isinstance(obj, torch.nn.Module):
             tensors = [*obj.parameters(), *obj.buffers()]
+            # Packed weights are opaque (oneDNN/MKL) tensors without a storage to read: each is counted at the size
+            # of the weight it packs (a process's resident memory grew by that much per packing).
+            for m in obj.modules():
+                if isinstance(m, PackedLinear):
+                    total += len(m.packings) * m.weight.numel() * m.weight.element_size()
         elif isinstance(obj, torch.optim.Optimizer):
             tensors = [v for s in obj.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         for t in tensors:
+            if t.is_mkldnn:
+                continue  # a packed weight, counted above
             key = t.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
@@ -121,6 +129,7 @@ class _Cell:
     run: Any
     images: int
     flops: float  # per call
+    state: tuple = ()  # what the cell holds between calls: its model (and optimiser), counted in its memory
     memory: float | None = None  # peak bytes, measured once
     rates: list[float] = field(default_factory=list)
 
@@ -151,6 +160,8 @@ def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: V
         def run():
             with torch.inference_mode():
                 net(x)
+
+        held = net
     else:
         dtype = DTYPES[precision]
 
@@ -158,7 +169,8 @@ def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: V
             with torch.inference_mode(), torch.autocast(x.device.type, dtype=dtype, enabled=precision == "bf16"):
                 model(x)
 
-    return _Cell("inference", precision, mode, run, x.shape[0], x.shape[0] * flops(config))
+        held = model
+    return _Cell("inference", precision, mode, run, x.shape[0], x.shape[0] * flops(config), state=(held,))
 
 
 def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: bool = False) -> _Cell:
@@ -175,9 +187,8 @@ def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: boo
         optimizer.zero_grad(set_to_none=True)
 
     mode = "compiled" if compile else "plain"
-    cell = _Cell("train", precision, mode, run, x.shape[0], 3 * x.shape[0] * flops(config))  # backward: 2x forward
-    cell.state = (model, optimizer)  # type: ignore[attr-defined]
-    return cell
+    # backward: 2x forward
+    return _Cell("train", precision, mode, run, x.shape[0], 3 * x.shape[0] * flops(config), state=(model, optimizer))
 
 
 def _matmul_cell(config: ViTConfig, precision: str, batch: int, device: torch.device) -> _Cell:
@@ -264,8 +275,7 @@ def bench(
             for cell in cells:  # warm-up (and compilation), then the peak memory of one call
                 cell.run()
                 _sync(device)
-                state = getattr(cell, "state", ())
-                static = _state_bytes(net, *state) if cell.kind != "matmul" else 0
+                static = _state_bytes(*cell.state)  # after the first call: the packings it made are there
                 if cell.kind != "matmul" and cell.mode != "compiled":
                     cell.memory = _measure_memory(cell, static)
                 cell.rates = []

@@ -9,7 +9,7 @@ What it does (each step measured on the machine it was written on; figures in do
   (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits), one packing per number of rows up
   to `PACKED_MAX_ROWS`, where repacking the weight at every call costs; bf16 (where native) for oneDNN's linear
   (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), with the MLP's GELU fused in, packed for the
-  number of rows up to `PACKED_MAX_ROWS` too, and above it once for every size;
+  number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
@@ -75,7 +75,7 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 # each row count gets its own packing, made at its first call. Measured against the plain model (ViT-S/16 and
 # ViT-B/16 on AVX-512, docs/PERFORMANCE.md): 1.23-1.32x at batch 1 (197 rows), 1.09x at batch 8 (1,576 rows),
 # 0.92x at batch 64 (12,608 rows); above `PACKED_MAX_ROWS` the layer calls `F.linear`.
-# bf16: oneDNN's packing takes a hint of the number of rows, which sets the blocking of its kernel; a hint of 1
+# bf16: oneDNN's packing takes a hint of the number of rows, which sets the blocking of its kernel; any packing
 # serves every size. Packed for the row count instead, against a hint of 1 (whole models, side by side, Emerald
 # Rapids Xeon with AMX): ViT-S/16 1.01-1.18x at batch 8 and 0.99-1.00x at batch 1, ViT-B/16 1.10-1.22x at batch 8
 # and 1.05-1.16x at batch 1; at batch 64 ViT-S/16 1.11x but ViT-B/16 0.97x, so above `PACKED_MAX_ROWS` the hint
@@ -91,7 +91,7 @@ class PackedLinear(nn.Module):
     fp32: MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what `torch.compile(freezing)` emits), packed for each
     row count up to `PACKED_MAX_ROWS` at its first call; above it `F.linear`. bf16: oneDNN's packed linear
     (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), packed for each row count up to
-    `PACKED_MAX_ROWS` the same way, and above it once for every size (`packed`, a hint of 1 row): it skips the
+    `PACKED_MAX_ROWS` the same way, and above it with the packing for 1 row (oneDNN's runs any size): it skips the
     weight's reorder for AVX-512 BF16 / AMX at each call, and computes the GELU on the fp32 accumulator before
     rounding to bf16 (one pass over the output fewer). `gelu`: None, or nn.GELU's `approximate` ("none", "tanh")."""
 
@@ -102,15 +102,13 @@ class PackedLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.packings: dict[int, torch.Tensor] = {}  # rows -> the weight packed for that many rows
-        if self.weight.dtype == torch.bfloat16:  # the batch size hint of 1 serves every number of rows
-            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(self.weight, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed_here = x.dtype == self.weight.dtype and x.device.type == "cpu"
         rows = x.numel() // self.in_features
         if packed_here and x.dtype == torch.bfloat16:  # the GELU runs inside oneDNN's kernel
             attr, algorithm = ("none", "") if self.gelu is None else ("gelu", self.gelu)
-            weight = self.packing(rows) if 1 < rows <= PACKED_MAX_ROWS else self.packed
+            weight = self.packing(rows if rows <= PACKED_MAX_ROWS else 1)
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, attr, [], algorithm)
         if packed_here and rows <= PACKED_MAX_ROWS:
             y = torch.ops.mkl._mkl_linear(x, self.packing(rows), self.weight, self.bias, rows)
@@ -159,7 +157,7 @@ def packing_available(precision: str) -> bool:
 def packing_pays(precision: str) -> bool:
     """Whether `optimize` packs by default: wherever it can. fp32 packs up to `PACKED_MAX_ROWS` rows (ViT-S/16 and
     ViT-B/16 ran 1.09-1.32x at batch 1 and 8 on AVX-512); bf16 at every size where bf16 is native, for the number
-    of rows up to `PACKED_MAX_ROWS`."""
+    of rows up to `PACKED_MAX_ROWS` and above it with the packing for 1 row."""
     return packing_available(precision)
 
 
@@ -170,7 +168,10 @@ def optimize(
     rounding), on the model's device.
 
     `precision`: "fp32", "bf16" (weights cast once), or "auto" (bf16 where the hardware has it, else fp32).
-    `pack`: pack linear weights for MKL (fp32) or oneDNN (bf16) (default: where it pays, `packing_pays`).
+    `pack`: pack linear weights for MKL (fp32) or oneDNN (bf16) (default: where it pays, `packing_pays`). Each
+    packing is a copy of the linear weights, made at the first call with a batch size of up to `PACKED_MAX_ROWS`
+    rows, at most `MAX_PACKINGS` of them (ViT-B/16: 340 MB each in fp32, 170 MB in bf16; bf16 runs larger batches
+    with the packing for 1 row).
     `compile`: torch.compile the result (slow to start; for long runs).
     """
     if not isinstance(model, nn.Module):
