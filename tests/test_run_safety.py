@@ -96,6 +96,14 @@ KILL_RUN = dict(
 
 def _train_in_child(config, resume) -> None:
     """A forked training process (vitkit already imported: a kill cycle costs a second, not an interpreter start)."""
+    import threading
+
+    from tqdm import tqdm
+
+    # tqdm's default write lock holds a multiprocessing lock that forked processes share: a child killed while it
+    # holds it (creating or writing a progress bar) would leave the next child, and the parent's bars, waiting for
+    # ever (a CI run hung so). Each child takes a lock of its own.
+    tqdm.set_lock(threading.RLock())
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
