@@ -102,16 +102,15 @@ def _state_bytes(*objects) -> int:
         tensors = []
         if isinstance(obj, torch.nn.Module):
             tensors = [*obj.parameters(), *obj.buffers()]
-            # Packed weights are opaque (oneDNN/MKL) tensors without a storage to read: each is counted at the size
-            # of the weight it packs (a process's resident memory grew by that much per packing).
+            # Packed weights (`PackedLinear.packings`, not parameters or buffers) are opaque oneDNN/MKL tensors without
+            # a storage to read: each is counted at the size of the weight it packs (a process's resident memory grew
+            # by that much per packing).
             for m in obj.modules():
                 if isinstance(m, PackedLinear):
                     total += len(m.packings) * m.weight.numel() * m.weight.element_size()
         elif isinstance(obj, torch.optim.Optimizer):
             tensors = [v for s in obj.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         for t in tensors:
-            if t.is_mkldnn:
-                continue  # a packed weight, counted above
             key = t.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
