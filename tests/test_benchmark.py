@@ -22,8 +22,17 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert result["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     rows = result["rows"]
-    # 2 sizes x 2 batches x 2 precisions x (matmul, plain, optimized, train)
-    assert len(rows) == 32
+    # 2 sizes x 2 batches x 2 precisions x (matmul by torch.mm, and packed where this CPU packs; plain,
+    # optimized, train)
+    matmuls = {p: ("torch.mm", "packed") if opt.packing_available(p) else ("torch.mm",) for p in ("fp32", "bf16")}
+    assert len(rows) == 2 * 2 * sum(len(modes) + 3 for modes in matmuls.values())
+    for size, batch, precision in [(s, b, p) for s in (16, 32) for b in (1, 2) for p in ("fp32", "bf16")]:
+        same = [r for r in rows if (r["image_size"], r["batch"], r["precision"], r["kind"]) == (size, batch, precision,
+                                                                                               "matmul")]  # fmt: skip
+        assert tuple(r["mode"] for r in same) == matmuls[precision]
+        # the machine's rate is its faster GEMM: that one reads 1.00, the other below
+        assert max(r["fraction_of_matmul"] for r in same) == pytest.approx(1.0)
+        assert all(0 < r["fraction_of_matmul"] <= 1.0 + 1e-12 for r in same)
     cells = {(r["image_size"], r["batch"], r["precision"], r["kind"], r["mode"]) for r in rows}
     assert (32, 2, "bf16", "inference", "optimized") in cells and (16, 1, "fp32", "train", "plain") in cells
     for r in rows:

@@ -108,14 +108,23 @@ def test_optimize_leaves_the_original_model_untouched():
     assert fast.state_dict().keys() == model.state_dict().keys()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision):
-    if not opt.packing_available(precision):
-        pytest.skip(f"this CPU or torch build cannot pack {precision} weights (MKL; oneDNN with native bf16)")
+LIBRARY_CASES = [("fp32", "mkl"), ("fp32", "onednn"), ("bf16", "onednn")]
+
+
+def skip_unless_packable(precision: str, library: str) -> None:
+    if not opt.library_available(library):
+        pytest.skip(f"this torch build has no {library} (torch.ops.mkl._mkl_linear / mkldnn._linear_pointwise)")
+    if precision == "bf16" and not opt.packing_available("bf16"):
+        pytest.skip("no native bf16 on this CPU (AVX-512 BF16 / AMX): bf16 weights are not packed")
+
+
+@pytest.mark.parametrize(("precision", "library"), LIBRARY_CASES, ids=["fp32-mkl", "fp32-onednn", "bf16-onednn"])
+def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision, library):
+    skip_unless_packable(precision, library)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     linear = torch.nn.Linear(24, 40).to(dtype)
-    packed = PackedLinear(linear)
-    pack = torch.ops.mkldnn._reorder_linear_weight if precision == "bf16" else torch.ops.mkl._mkl_reorder_linear_weight
+    packed = PackedLinear(linear, library=library)
+    pack = torch.ops.mkldnn._reorder_linear_weight if library == "onednn" else torch.ops.mkl._mkl_reorder_linear_weight
     with torch.no_grad():
         packed(torch.randn(2, 7, 24, dtype=dtype))
         assert list(packed.packings) == [14]
@@ -124,13 +133,41 @@ def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision):
         # so the packing for 14 rows is what ran.
         packed.packings[14] = pack(torch.zeros(40, 24, dtype=dtype), 14)
         torch.testing.assert_close(packed(torch.randn(14, 24, dtype=dtype)), linear.bias.expand(14, 40), rtol=0, atol=0)
-        # above the limit: fp32 F.linear, nothing packed; bf16 the packing for 1 row
+        # above the limit: MKL F.linear, nothing packed; oneDNN the packing for 1 row
         torch.testing.assert_close(packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
                                    linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)))  # fmt: skip
-        assert list(packed.packings) == ([14] if precision == "fp32" else [14, 1])
+        assert list(packed.packings) == ([14] if library == "mkl" else [14, 1])
         for rows in range(1, opt.MAX_PACKINGS + 2):
             packed(torch.randn(rows, 24, dtype=dtype))
         assert list(packed.packings) == list(range(2, opt.MAX_PACKINGS + 2))  # the oldest dropped first
+
+
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_fp32_copies_packed_for_either_library_give_the_plain_models_logits(library, monkeypatch):
+    """Whichever library this CPU packs fp32 for by default (`fp32_library`), both are checked on every machine."""
+    skip_unless_packable("fp32", library)
+    monkeypatch.setattr(opt, "fp32_library", lambda: library)
+    model = small_model()
+    fast = optimize(model, "fp32", pack=True)
+    assert {m.library for m in fast.modules() if isinstance(m, PackedLinear)} == {library}
+    assert f"packed for {'MKL' if library == 'mkl' else 'oneDNN'}, then GELU" in repr(fast.blocks[0].mlp.fc1)
+    with torch.no_grad():
+        for batch in (3, 1, 3):  # the second 3 runs on the packing made by the first
+            x = torch.randn(batch, 3, 32, 32)
+            torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
+
+
+def test_fp32_library_is_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch):
+    both = opt.library_available("mkl") and opt.library_available("onednn")
+    if not both:
+        pytest.skip("this torch build lacks MKL or oneDNN, so there is no choice to make")
+    for intel, library in ((True, "mkl"), (False, "onednn")):
+        monkeypatch.setattr(opt, "cpu_is_intel", lambda intel=intel: intel)
+        assert opt.fp32_library() == library
+        assert PackedLinear(torch.nn.Linear(4, 4)).library == library
+    assert PackedLinear(torch.nn.Linear(4, 4).to(torch.bfloat16)).library == "onednn"
+    with pytest.raises(ValueError, match="'mkl' for fp32 weights only"):
+        PackedLinear(torch.nn.Linear(4, 4).to(torch.bfloat16), library="mkl")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

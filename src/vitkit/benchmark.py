@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
 from .model import VisionTransformer
-from .optimization import PackedLinear, bf16_is_native, optimize
+from .optimization import PackedLinear, bf16_is_native, optimize, packing_available
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")
@@ -190,17 +191,31 @@ def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: boo
     return _Cell("train", precision, mode, run, x.shape[0], 3 * x.shape[0] * flops(config), state=(model, optimizer))
 
 
-def _matmul_cell(config: ViTConfig, precision: str, batch: int, device: torch.device) -> _Cell:
-    """The model's largest matrix multiply: tokens (B*N, D) times the first MLP weight (D, mlp_dim)."""
+def _matmul_modes(precision: str, device: torch.device) -> tuple[str, ...]:
+    """torch.mm, and on a CPU that packs `precision` also the packed GEMM `optimize` uses (MKL or oneDNN)."""
+    return ("torch.mm", "packed") if device.type == "cpu" and packing_available(precision) else ("torch.mm",)
+
+
+def _matmul_cell(config: ViTConfig, precision: str, batch: int, device: torch.device, mode: str) -> _Cell:
+    """The model's largest matrix multiply: tokens (B*N, D) times the first MLP weight (D, mlp_dim), by torch.mm
+    or by the packed GEMM of `optimize`'s linears; the machine's rate is the faster of the two."""
     rows, d, m = batch * config.num_tokens, config.hidden_size, config.mlp_dim
     a = torch.randn(rows, d, device=device, dtype=DTYPES[precision])
     b = torch.randn(d, m, device=device, dtype=DTYPES[precision])
     out = torch.empty(rows, m, device=device, dtype=DTYPES[precision])
+    if mode == "packed":
+        linear = nn.Linear(d, m, bias=False, device=device, dtype=DTYPES[precision])
+        packed = PackedLinear(linear).requires_grad_(False)
 
-    def run():
-        torch.mm(a, b, out=out)
+        def run():
+            packed(a)
 
-    return _Cell("matmul", precision, "-", run, 0, 2.0 * rows * d * m)
+    else:
+
+        def run():
+            torch.mm(a, b, out=out)
+
+    return _Cell("matmul", precision, mode, run, 0, 2.0 * rows * d * m)
 
 
 def _measure_memory(cell: _Cell, static: int) -> float:
@@ -251,7 +266,7 @@ def bench(
         "largest_batch": [],
     }
     groups = [(size, batch) for size in image_sizes for batch in batch_sizes]
-    per_group = len(precisions) * (1 + len(modes) + (1 + compile) * train)
+    per_group = sum(len(_matmul_modes(p, device)) + len(modes) + (1 + compile) * train for p in precisions)
     bar = tqdm(
         total=len(groups) * per_group * (rounds + 1),
         desc="vitkit bench",
@@ -265,7 +280,7 @@ def bench(
             x = torch.randn(batch, config.in_chans, *config.image_size, device=device)
             cells: list[_Cell] = []
             for precision in precisions:
-                cells.append(_matmul_cell(config, precision, batch, device))
+                cells += [_matmul_cell(config, precision, batch, device, m) for m in _matmul_modes(precision, device)]
                 cells += [_inference_cell(net, precision, mode, x, config) for mode in modes]
                 if train:
                     cells.append(_train_cell(config, precision, x))
@@ -283,7 +298,10 @@ def bench(
                 for cell in cells:
                     cell.rates.append(_time(cell, device, min_seconds))
                     bar.update(1)
-            peak = {c.precision: c.flops / statistics.median(c.rates) for c in cells if c.kind == "matmul"}
+            peak: dict[str, float] = {}  # the machine's matmul rate: its faster GEMM
+            for c in cells:
+                if c.kind == "matmul":
+                    peak[c.precision] = max(peak.get(c.precision, 0.0), c.flops / statistics.median(c.rates))
             for cell in cells:
                 seconds = statistics.median(cell.rates)
                 row = {
@@ -294,9 +312,9 @@ def bench(
                     "mode": cell.mode,
                     "gflops_per_s": cell.flops / seconds / 1e9,
                 }
+                row["fraction_of_matmul"] = cell.flops / seconds / peak[cell.precision]
                 if cell.kind != "matmul":
                     row["images_per_s"] = cell.images / seconds
-                    row["fraction_of_matmul"] = cell.flops / seconds / peak[cell.precision]
                     row["peak_memory_mb"] = None if cell.memory is None else cell.memory / 2**20
                 result["rows"].append(row)
     bar.close()
@@ -337,8 +355,8 @@ def format_bench(result: dict) -> str:
     ]
     for r in result["rows"]:
         if r["kind"] == "matmul":
-            lines.append(f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{'matmul':<10}{'':<10}{'':>10}"
-                         f"{r['gflops_per_s']:>9.1f}{'1.00':>10}")  # fmt: skip
+            lines.append(f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{'matmul':<10}{r['mode']:<10}"
+                         f"{'':>10}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}")  # fmt: skip
             continue
         mem = "" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
         lines.append(

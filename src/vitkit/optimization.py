@@ -20,6 +20,7 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
+import functools
 import sysconfig
 import typing
 import warnings
@@ -82,31 +83,64 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 # stays 1. (The first Xeon, earlier: 1.14x against 1.06x over the plain model at batch 1, 1.16x against 1.21x at 8.)
 PACKED_MAX_ROWS = 2048
 MAX_PACKINGS = 8  # row counts kept per layer (each one a copy of the weight); the oldest is dropped first
+LIBRARIES = ("mkl", "onednn")
+
+
+@functools.cache
+def cpu_is_intel() -> bool:
+    """Whether this CPU is Intel's (MKL's fast code paths are for Intel CPUs; on others it takes generic ones)."""
+    name = torch.cpu.get_capabilities().get("cpu_name", "") if hasattr(torch.cpu, "get_capabilities") else ""
+    if not name:
+        try:
+            name = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return True  # unknown: keep the default of torch's own fp32 GEMM (MKL)
+    return "intel" in name.lower()
+
+
+def library_available(library: str) -> bool:
+    """Whether this torch build has the packed linear of `library` ("mkl" or "onednn")."""
+    if library == "mkl":
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def fp32_library() -> str:
+    """The library that runs fp32 linears fastest here: MKL's packed GEMM on Intel CPUs (1.09-1.32x over the plain
+    model on the Xeons), oneDNN's elsewhere (AMD EPYC Zen 4: single GEMMs 1.4x over torch's MKL; see
+    docs/PERFORMANCE.md)."""
+    return "mkl" if library_available("mkl") and (cpu_is_intel() or not library_available("onednn")) else "onednn"
 
 
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight packed for the CPU's GEMM library, optionally followed by a GELU; the same
     result as `F.linear` (and `F.gelu`).
 
-    fp32: MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what `torch.compile(freezing)` emits), packed for each
-    row count up to `PACKED_MAX_ROWS` at its first call; above it `F.linear`. bf16: oneDNN's packed linear
-    (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), packed for each row count up to
-    `PACKED_MAX_ROWS` the same way, and above it with the packing for 1 row (oneDNN's runs any size): it skips the
-    weight's reorder for AVX-512 BF16 / AMX at each call, and computes the GELU on the fp32 accumulator before
-    rounding to bf16 (one pass over the output fewer). `gelu`: None, or nn.GELU's `approximate` ("none", "tanh")."""
+    `library` "mkl" (fp32 only): MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what `torch.compile(freezing)`
+    emits), packed for each row count up to `PACKED_MAX_ROWS` at its first call; above it `F.linear`, then the GELU.
+    "onednn": oneDNN's packed linear (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), packed for each
+    row count up to `PACKED_MAX_ROWS` the same way, and above it with the packing for 1 row (oneDNN's runs any size):
+    it skips the weight's reorder at each call, and computes the GELU on the fp32 accumulator as a post-op (in bf16,
+    before rounding: one pass over the output fewer). Default: oneDNN for bf16 weights, `fp32_library()` for fp32.
+    `gelu`: None, or nn.GELU's `approximate` ("none", "tanh")."""
 
-    def __init__(self, linear: nn.Linear, gelu: str | None = None):
+    def __init__(self, linear: nn.Linear, gelu: str | None = None, library: str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.gelu = linear.in_features, linear.out_features, gelu
         # Still parameters (frozen), so that parameter counts and state dicts read as the model's own.
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        if library is None:
+            library = "onednn" if self.weight.dtype == torch.bfloat16 else fp32_library()
+        if library not in LIBRARIES or (library == "mkl" and self.weight.dtype != torch.float32):
+            raise ValueError(f"library={library!r}: choose 'onednn', or 'mkl' for fp32 weights only.")
+        self.library = library
         self.packings: dict[int, torch.Tensor] = {}  # rows -> the weight packed for that many rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed_here = x.dtype == self.weight.dtype and x.device.type == "cpu"
         rows = x.numel() // self.in_features
-        if packed_here and x.dtype == torch.bfloat16:  # the GELU runs inside oneDNN's kernel
+        if packed_here and self.library == "onednn":  # the GELU runs inside oneDNN's kernel
             attr, algorithm = ("none", "") if self.gelu is None else ("gelu", self.gelu)
             weight = self.packing(rows if rows <= PACKED_MAX_ROWS else 1)
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, attr, [], algorithm)
@@ -117,12 +151,11 @@ class PackedLinear(nn.Module):
         return y if self.gelu is None else F.gelu(y, approximate=self.gelu)
 
     def packing(self, rows: int) -> torch.Tensor:
-        """The weight packed for `rows` rows (MKL's GEMM in fp32, oneDNN's in bf16), made at the first call with that
-        many rows."""
+        """The weight packed for `rows` rows (for MKL's or oneDNN's GEMM), made at its first call with that many."""
         if rows not in self.packings:
             if len(self.packings) >= MAX_PACKINGS:
                 del self.packings[next(iter(self.packings))]
-            if self.weight.dtype == torch.bfloat16:
+            if self.library == "onednn":
                 self.packings[rows] = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
             else:
                 self.packings[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
@@ -134,24 +167,20 @@ class PackedLinear(nn.Module):
         linear.weight = nn.Parameter(copy.deepcopy(self.weight.detach(), memo), requires_grad=False)
         if self.bias is not None:
             linear.bias = nn.Parameter(copy.deepcopy(self.bias.detach(), memo), requires_grad=False)
-        return PackedLinear(linear, self.gelu)
+        return PackedLinear(linear, self.gelu, self.library)
 
     def extra_repr(self) -> str:
-        library = "oneDNN" if self.weight.dtype == torch.bfloat16 else "MKL"
+        library = {"onednn": "oneDNN", "mkl": "MKL"}[self.library]
         gelu = "" if self.gelu is None else f", then GELU (approximate={self.gelu!r})"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for {library}{gelu}"
 
 
 def packing_available(precision: str) -> bool:
-    """Whether this CPU's torch can pack linear weights for `precision` ("fp32": MKL; "bf16": oneDNN, and only
-    where bf16 is native)."""
+    """Whether this CPU's torch can pack linear weights for `precision` ("fp32": with `fp32_library()`; "bf16":
+    oneDNN, and only where bf16 is native)."""
     if precision == "bf16":
-        return (
-            torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and bf16_is_native("cpu")
-        )
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+        return library_available("onednn") and bf16_is_native("cpu")
+    return library_available(fp32_library())
 
 
 def packing_pays(precision: str) -> bool:
