@@ -117,6 +117,34 @@ def test_compiled_training_attention_on_cpu_is_written_out_and_matches_sdpa(monk
     assert calls == [1]
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_inference_attention_on_a_cpu_without_amx_is_written_out_piecewise_and_matches_sdpa(monkeypatch, amx):
+    # Without AMX, bf16 inference attention is two batched matmuls and a bf16 softmax, a few images at a time
+    # (SDPA's bf16 kernel is slow there); with AMX it stays SDPA. Both checked on every machine.
+    import vitkit.model as vm
+
+    written, calls = vm.attend_bf16_cpu, []
+    monkeypatch.setattr(vm, "attend_bf16_cpu", lambda *args: calls.append(1) or written(*args))
+    monkeypatch.setattr(vm, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(vm, "BF16_CPU_LOGITS", 2 * 3 * 10 * 10)  # pieces of 2 images: 5 images in 3 pieces
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 3, 10, 8, generator=g).bfloat16() for _ in range(3))
+    bias = torch.randn(3, 10, 10, generator=g).bfloat16()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias.float())
+    with torch.no_grad():
+        for b in (None, bias):
+            want = ref if b is not None else torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(),
+                                                                                              v.float())  # fmt: skip
+            y = vm.attend(q, k, v, b, 0.0)
+            assert y.dtype == torch.bfloat16 and y.shape == q.shape
+            torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)  # bf16 matmuls and probabilities
+        assert calls == ([] if amx else [1, 1])
+        vm.attend(q.float(), k.float(), v.float(), None, 0.0)  # fp32 keeps SDPA
+        assert len(calls) == (0 if amx else 2)
+    vm.attend(q.requires_grad_(), k, v, bias, 0.0)  # training keeps its own path
+    assert len(calls) == (0 if amx else 2)
+
+
 def test_forward_intermediates_names_and_shapes():
     model = tiny().eval()
     x = torch.randn(2, 3, 32, 32)
