@@ -5,11 +5,11 @@ What it does (each step measured on the machine it was written on; figures in do
 - a copy in eval mode with every parameter frozen, so no autograd state is kept;
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
-- on CPUs, every linear layer's weight packed where that pays (`packing_pays`): fp32 for MKL's GEMM
-  (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits), one packing per number of rows up
-  to `PACKED_MAX_ROWS`, where repacking the weight at every call costs; bf16 (where native) for oneDNN's linear
-  (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), with the MLP's GELU fused in, packed for the
-  number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
+- on CPUs, every linear layer's weight packed where that pays (`packing_pays`): fp32 for MKL's GEMM on Intel CPUs
+  (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits) and for oneDNN's elsewhere
+  (`fp32_library`), one packing per number of rows up to `PACKED_MAX_ROWS`; bf16 (where native) for oneDNN's linear
+  (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), with the MLP's GELU fused in (so in oneDNN's fp32
+  too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
