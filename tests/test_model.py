@@ -119,13 +119,13 @@ def test_compiled_training_attention_on_cpu_is_written_out_and_matches_sdpa(monk
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_inference_attention_on_a_cpu_without_amx_is_written_out_piecewise_and_matches_sdpa(monkeypatch, amx):
-    # Without AMX, bf16 inference attention is two batched matmuls and a bf16 softmax, a few images at a time
-    # (SDPA's bf16 kernel is slow there); with AMX it stays SDPA. Both checked on every machine.
+    # With AVX-512 BF16 but no AMX, bf16 inference attention is two batched matmuls and a bf16 softmax, a few images
+    # at a time (SDPA's bf16 kernel is slow there); with AMX it stays SDPA. Both checked on every machine.
     import vitkit.model as vm
 
     written, calls = vm.attend_bf16_cpu, []
     monkeypatch.setattr(vm, "attend_bf16_cpu", lambda *args: calls.append(1) or written(*args))
-    monkeypatch.setattr(vm, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(vm, "_cpu_bf16_without_amx", lambda: not amx)
     monkeypatch.setattr(vm, "BF16_CPU_LOGITS", 2 * 3 * 10 * 10)  # pieces of 2 images: 5 images in 3 pieces
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(5, 3, 10, 8, generator=g).bfloat16() for _ in range(3))

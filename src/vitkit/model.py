@@ -213,12 +213,12 @@ def attend(
     """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d): `attend_sdpa`; `attend_explicit` when a CPU trains
     under `torch.compile` (the compiler fuses the written-out scale, softmax and casts around two batched matmuls:
     the main job's compiled bf16 training step ran 1.12-1.19x faster than with SDPA compiled); and
-    `attend_bf16_cpu` for bf16 inference on a CPU without AMX, where SDPA's bf16 kernel is slow (AMD EPYC Zen 4:
-    ViT-S/16 1.05-1.10x; with AMX SDPA is faster; docs/PERFORMANCE.md)."""
+    `attend_bf16_cpu` for bf16 inference on a CPU with AVX-512 BF16 but no AMX, where SDPA's bf16 kernel is slow
+    (AMD EPYC Zen 4: ViT-S/16 1.05-1.10x; with AMX SDPA is faster; docs/PERFORMANCE.md)."""
     if torch.compiler.is_compiling() and _cpu_training(q):
         return attend_explicit(q, k, v, bias, dropout_p)
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not dropout_p and not _cpu_training(q):
-        if not torch.compiler.is_compiling() and not _cpu_has_amx():
+        if not torch.compiler.is_compiling() and _cpu_bf16_without_amx():
             return attend_bf16_cpu(q, k, v, bias)
     return attend_sdpa(q, k, v, bias, dropout_p)
 
@@ -228,8 +228,9 @@ def _cpu_training(q: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _cpu_has_amx() -> bool:
-    return bool(torch.cpu._is_amx_tile_supported())
+def _cpu_bf16_without_amx() -> bool:
+    """AVX-512 BF16 but no AMX. (Where bf16 is emulated, SDPA's kernel, which computes in fp32, stays.)"""
+    return bool(torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
 
 
 def attend_sdpa(
@@ -252,9 +253,9 @@ BF16_CPU_LOGITS = 2**22
 
 
 def attend_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`attend` in bf16 on a CPU without AMX: two batched bf16 matmuls (fp32 accumulation) and a bf16 softmax
-    (computed in fp32 inside the kernel), a few images at a time. Its logits stay as close to fp32 attention's as
-    SDPA's do."""
+    """`attend` in bf16 on a CPU with AVX-512 BF16 but no AMX: two batched bf16 matmuls (fp32 accumulation) and a
+    bf16 softmax (computed in fp32 inside the kernel), a few images at a time. Its logits stay as close to fp32
+    attention's as SDPA's do."""
     b, h, n, _ = q.shape
     step = max(1, BF16_CPU_LOGITS // (h * n * k.shape[-2]))
     q = q * q.shape[-1] ** -0.5
