@@ -130,19 +130,19 @@ def test_bf16_inference_attention_on_a_cpu_without_amx_is_written_out_piecewise_
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(5, 3, 10, 8, generator=g).bfloat16() for _ in range(3))
     bias = torch.randn(3, 10, 10, generator=g).bfloat16()
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias.float())
+    per_image = torch.randn(5, 3, 10, 10, generator=g).bfloat16()  # a mask of each image's own
     with torch.no_grad():
-        for b in (None, bias):
-            want = ref if b is not None else torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(),
-                                                                                              v.float())  # fmt: skip
+        for b in (None, bias, per_image):
+            mask = None if b is None else b.float()
+            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
             y = vm.attend(q, k, v, b, 0.0)
             assert y.dtype == torch.bfloat16 and y.shape == q.shape
             torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)  # bf16 matmuls and probabilities
-        assert calls == ([] if amx else [1, 1])
+        assert calls == ([] if amx else [1, 1, 1])
         vm.attend(q.float(), k.float(), v.float(), None, 0.0)  # fp32 keeps SDPA
-        assert len(calls) == (0 if amx else 2)
+        assert len(calls) == (0 if amx else 3)
     vm.attend(q.requires_grad_(), k, v, bias, 0.0)  # training keeps its own path
-    assert len(calls) == (0 if amx else 2)
+    assert len(calls) == (0 if amx else 3)
 
 
 def test_forward_intermediates_names_and_shapes():

@@ -201,16 +201,15 @@ def _matmul_cell(config: ViTConfig, precision: str, batch: int, device: torch.de
     or by the packed GEMM of `optimize`'s linears; the machine's rate is the faster of the two."""
     rows, d, m = batch * config.num_tokens, config.hidden_size, config.mlp_dim
     a = torch.randn(rows, d, device=device, dtype=DTYPES[precision])
-    b = torch.randn(d, m, device=device, dtype=DTYPES[precision])
-    out = torch.empty(rows, m, device=device, dtype=DTYPES[precision])
     if mode == "packed":
-        linear = nn.Linear(d, m, bias=False, device=device, dtype=DTYPES[precision])
-        packed = PackedLinear(linear).requires_grad_(False)
+        packed = PackedLinear(nn.Linear(d, m, bias=False, device=device, dtype=DTYPES[precision]))
 
         def run():
             packed(a)
 
     else:
+        b = torch.randn(d, m, device=device, dtype=DTYPES[precision])
+        out = torch.empty(rows, m, device=device, dtype=DTYPES[precision])
 
         def run():
             torch.mm(a, b, out=out)
