@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import vitkit
+from vitkit import kernels
 from vitkit import optimization as opt
 from vitkit.optimization import PackedLinear, optimize
 
@@ -162,7 +163,7 @@ def test_fp32_library_is_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch):
     if not both:
         pytest.skip("this torch build lacks MKL or oneDNN, so there is no choice to make")
     for intel, library in ((True, "mkl"), (False, "onednn")):
-        monkeypatch.setattr(opt, "cpu_is_intel", lambda intel=intel: intel)
+        monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
         assert opt.fp32_library() == library
         assert PackedLinear(torch.nn.Linear(4, 4)).library == library
     assert PackedLinear(torch.nn.Linear(4, 4).to(torch.bfloat16)).library == "onednn"

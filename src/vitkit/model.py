@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ViTConfig
 from .hybrid import ResNetStem
+from .kernels import Linear, linear
 
 # ----------------------------------------------------------------------------------------------------------
 # Position embeddings (E_pos of eq. 1, and the paper's Appendix D.4 ablations). Each kind is a module that
@@ -198,9 +199,9 @@ class MlpBlock(nn.Module):
 
     def __init__(self, dim: int, mlp_dim: int, act: str, dropout: float):
         super().__init__()
-        self.fc1 = nn.Linear(dim, mlp_dim)
+        self.fc1 = Linear(dim, mlp_dim)
         self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
-        self.fc2 = nn.Linear(mlp_dim, dim)
+        self.fc2 = Linear(mlp_dim, dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,8 +290,8 @@ class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool, attention_dropout: float):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = Linear(dim, dim)
         self.attention_dropout = attention_dropout
 
     def forward(
@@ -390,8 +391,8 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(config, rate) for rate in rates)
         self.encoder_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
         rep = config.representation_size
-        self.pre_logits = nn.Sequential(nn.Linear(dim, rep), nn.Tanh()) if rep else nn.Identity()
-        self.head = nn.Linear(rep or dim, config.num_classes) if config.num_classes else nn.Identity()
+        self.pre_logits = nn.Sequential(Linear(dim, rep), nn.Tanh()) if rep else nn.Identity()
+        self.head = Linear(rep or dim, config.num_classes) if config.num_classes else nn.Identity()
         self.grad_checkpointing = False
         self.init_weights()
 
@@ -423,7 +424,7 @@ class VisionTransformer(nn.Module):
         model, 8% of a compiled training step on a CPU."""
         (b, c, h, w), (ph, pw) = x.shape, self.embedding.stride  # stride = kernel size, no padding
         patches = x.reshape(b, c, h // ph, ph, w // pw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * ph * pw)
-        return F.linear(patches, self.embedding.weight.flatten(1), self.embedding.bias)
+        return linear(patches, self.embedding.weight.flatten(1), self.embedding.bias)
 
     # --- eqs. (2), (3), and the LN of (4) ------------------------------------------------------------------
     def encode(
@@ -490,7 +491,7 @@ class VisionTransformer(nn.Module):
         self.config = self.config.replace(num_classes=num_classes, representation_size=rep)
         self.head = nn.Identity()
         if num_classes:
-            self.head = nn.Linear(rep or self.config.hidden_size, num_classes, device=ref.device, dtype=ref.dtype)
+            self.head = Linear(rep or self.config.hidden_size, num_classes, device=ref.device, dtype=ref.dtype)
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
         self.class_names = None

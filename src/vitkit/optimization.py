@@ -20,7 +20,6 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
-import functools
 import sysconfig
 import typing
 import warnings
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -83,33 +83,6 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 # stays 1. (The first Xeon, earlier: 1.14x against 1.06x over the plain model at batch 1, 1.16x against 1.21x at 8.)
 PACKED_MAX_ROWS = 2048
 MAX_PACKINGS = 8  # row counts kept per layer (each one a copy of the weight); the oldest is dropped first
-LIBRARIES = ("mkl", "onednn")
-
-
-@functools.cache
-def cpu_is_intel() -> bool:
-    """Whether this CPU is Intel's (MKL's fast code paths are for Intel CPUs; on others it takes generic ones)."""
-    name = torch.cpu.get_capabilities().get("cpu_name", "") if hasattr(torch.cpu, "get_capabilities") else ""
-    if not name:
-        try:
-            name = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            return True  # unknown: keep the default of torch's own fp32 GEMM (MKL)
-    return "intel" in name.lower()
-
-
-def library_available(library: str) -> bool:
-    """Whether this torch build has the packed linear of `library` ("mkl" or "onednn")."""
-    if library == "mkl":
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def fp32_library() -> str:
-    """The library that runs fp32 linears fastest here: MKL's packed GEMM on Intel CPUs (1.09-1.32x over the plain
-    model on the Xeons), oneDNN's elsewhere (AMD EPYC Zen 4: single GEMMs 1.4x over torch's MKL; see
-    docs/PERFORMANCE.md)."""
-    return "mkl" if library_available("mkl") and (cpu_is_intel() or not library_available("onednn")) else "onednn"
 
 
 class PackedLinear(nn.Module):
@@ -234,10 +207,10 @@ def optimize(
 def _replace_linears(module: nn.Module) -> None:
     """Every nn.Linear -> PackedLinear; an MLP's GELU moves into its first layer (fused there in bf16)."""
     for name, child in module.named_children():
-        if type(child) is MlpBlock and type(child.act) is nn.GELU and type(child.fc1) is nn.Linear:
+        if type(child) is MlpBlock and type(child.act) is nn.GELU and type(child.fc1) in (nn.Linear, Linear):
             child.register_module("fc1", PackedLinear(child.fc1, gelu=child.act.approximate))
             child.register_module("act", nn.Identity())
-        if type(child) is nn.Linear:
+        if isinstance(child, nn.Linear) and type(child) in (nn.Linear, Linear):
             setattr(module, name, PackedLinear(child))
         else:
             _replace_linears(child)

@@ -1,0 +1,97 @@
+"""`kernels.linear`: fp32 linear layers by oneDNN on CPUs that are not Intel's, the same values and gradients as
+F.linear's. Each test forces the oneDNN path (`onednn_fp32`), so that it is checked on Intel machines too."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitkit import kernels
+from vitkit.architectures import new_model
+
+pytestmark = pytest.mark.skipif(
+    not kernels.library_available("onednn"), reason="this torch build has no oneDNN (torch.backends.mkldnn)"
+)
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Force the oneDNN path and count its products."""
+    calls = []
+    product = kernels._onednn
+
+    def counted(x, weight, bias):
+        calls.append(tuple(x.shape))
+        return product(x, weight, bias)
+
+    monkeypatch.setattr(kernels, "onednn_fp32", lambda: True)
+    monkeypatch.setattr(kernels, "_onednn", counted)
+    return calls
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("learn_weight", [True, False])
+def test_linear_by_onednn_gives_f_linears_values_and_gradients(onednn_calls, bias, learn_weight):
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 5, requires_grad=True).transpose(1, 2)  # (3, 5, 40), not contiguous
+    weight = torch.randn(24, 40, requires_grad=learn_weight)
+    b = torch.randn(24, requires_grad=True) if bias else None
+    grad = torch.randn(3, 5, 24)
+
+    y = kernels.linear(x, weight, b)
+    grads = torch.autograd.grad(y, [t for t in (x, weight, b) if t is not None and t.requires_grad], grad)
+    assert len(onednn_calls) == 1 + len(grads) - bias  # forward, input gradient, weight gradient (not the bias's)
+    y_ref = F.linear(x, weight, b)
+    ref = torch.autograd.grad(y_ref, [t for t in (x, weight, b) if t is not None and t.requires_grad], grad)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_keeps_f_linear_under_autocast_and_for_other_dtypes(onednn_calls):
+    x, layer = torch.randn(4, 8), kernels.Linear(8, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # autocast's bf16 product, not an fp32 one
+    assert layer.to(torch.float64)(x.double()).dtype == torch.float64
+    assert onednn_calls == []
+    layer.float()
+    with torch.no_grad():
+        assert torch.equal(layer(x), kernels._onednn(x, layer.weight, layer.bias))  # no grad: the product alone
+    assert len(onednn_calls) == 2
+
+
+@pytest.mark.slow  # compiling: seconds
+def test_linear_keeps_f_linear_under_torch_compile(onednn_calls):
+    x, layer = torch.randn(4, 8, requires_grad=True), kernels.Linear(8, 3)
+    compiled = torch.compile(layer, backend="aot_eager")  # traced: oneDNN's op would need a constant weight
+    y = compiled(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert onednn_calls == []
+    assert layer.weight.grad is not None
+
+
+def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
+    torch.manual_seed(0)
+    model = new_model("ViT-Ti/4", hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, image_size=16,
+                      num_classes=5, representation_size=16)  # fmt: skip
+    x, labels = torch.randn(3, 3, 16, 16), torch.tensor([0, 3, 4])
+    grads = {}
+    for forced in (False, True):
+        monkeypatch.setattr(kernels, "onednn_fp32", lambda forced=forced: forced)
+        model.zero_grad()
+        F.cross_entropy(model(x), labels).backward()
+        grads[forced] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(grads[True]) == len(list(model.parameters()))
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_onednn_is_chosen_for_fp32_on_cpus_that_are_not_intels(monkeypatch):
+    if not kernels.library_available("mkl"):
+        pytest.skip("this torch build has no MKL, so oneDNN is the only fp32 library")
+    for intel in (True, False):
+        monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
+        kernels.onednn_fp32.cache_clear()
+        x86 = kernels.platform.machine().lower() in ("x86_64", "amd64")
+        assert kernels.onednn_fp32() == (x86 and not intel)
+    kernels.onednn_fp32.cache_clear()
