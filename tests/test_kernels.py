@@ -1,5 +1,5 @@
 """`kernels.linear`: fp32 linear layers by oneDNN on CPUs that are not Intel's, the same values and gradients as
-F.linear's. Each test forces the oneDNN path (`onednn_fp32`), so that it is checked on Intel machines too."""
+F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too."""
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ def onednn_calls(monkeypatch):
         calls.append(tuple(x.shape))
         return product(x, weight, bias)
 
-    monkeypatch.setattr(kernels, "onednn_fp32", lambda: True)
+    monkeypatch.setattr(kernels, "ONEDNN_FP32", True)
     monkeypatch.setattr(kernels, "_onednn", counted)
     return calls
 
@@ -60,14 +60,31 @@ def test_linear_keeps_f_linear_under_autocast_and_for_other_dtypes(onednn_calls)
 
 
 @pytest.mark.slow  # compiling: seconds
-def test_linear_keeps_f_linear_under_torch_compile(onednn_calls):
-    x, layer = torch.randn(4, 8, requires_grad=True), kernels.Linear(8, 3)
-    compiled = torch.compile(layer, backend="aot_eager")  # traced: oneDNN's op would need a constant weight
-    y = compiled(x)
-    y.sum().backward()
-    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert onednn_calls == []
-    assert layer.weight.grad is not None
+def test_under_torch_compile_wide_layers_run_by_onednn_and_narrow_ones_by_f_linear(onednn_calls):
+    torch.manual_seed(0)
+    wide = kernels.COMPILED_MIN_FEATURES
+    for features, by_onednn in ((wide, True), (wide // 2, False)):
+        del onednn_calls[:]
+        x, layer = torch.randn(4, features, requires_grad=True), kernels.Linear(features, features)
+        y = torch.compile(layer, backend="aot_eager")(x)  # traced: an opaque call of vitkit::onednn_linear
+        y.square().sum().backward()
+        assert len(onednn_calls) == (3 if by_onednn else 0)  # forward, input and weight gradients
+        grad_x, grad_w = x.grad, layer.weight.grad
+        x.grad, layer.weight.grad = None, None
+        y_ref = F.linear(x, layer.weight, layer.bias)
+        y_ref.square().sum().backward()
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad_x, x.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad_w, layer.weight.grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow  # exporting: seconds
+@pytest.mark.parametrize("strict", [True, False])
+def test_exported_graphs_hold_the_standard_linear(onednn_calls, strict):
+    wide = kernels.COMPILED_MIN_FEATURES  # a layer that `torch.compile` would run by oneDNN
+    program = torch.export.export(kernels.Linear(wide, wide), (torch.randn(4, wide),), strict=strict)
+    targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert "aten.linear.default" in targets and not any("vitkit" in t for t in targets)
 
 
 def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
@@ -77,7 +94,7 @@ def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
     x, labels = torch.randn(3, 3, 16, 16), torch.tensor([0, 3, 4])
     grads = {}
     for forced in (False, True):
-        monkeypatch.setattr(kernels, "onednn_fp32", lambda forced=forced: forced)
+        monkeypatch.setattr(kernels, "ONEDNN_FP32", forced)
         model.zero_grad()
         F.cross_entropy(model(x), labels).backward()
         grads[forced] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -89,9 +106,8 @@ def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
 def test_onednn_is_chosen_for_fp32_on_cpus_that_are_not_intels(monkeypatch):
     if not kernels.library_available("mkl"):
         pytest.skip("this torch build has no MKL, so oneDNN is the only fp32 library")
+    assert kernels.ONEDNN_FP32 == kernels.onednn_fp32()  # decided at import, as the probes decide now
+    x86 = kernels.platform.machine().lower() in ("x86_64", "amd64")
     for intel in (True, False):
         monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
-        kernels.onednn_fp32.cache_clear()
-        x86 = kernels.platform.machine().lower() in ("x86_64", "amd64")
         assert kernels.onednn_fp32() == (x86 and not intel)
-    kernels.onednn_fp32.cache_clear()

@@ -1,11 +1,11 @@
 """Which CPU library runs a linear layer's fp32 GEMM, and `linear`, the model's linear layer that uses it.
 
 PyTorch runs fp32 matrix products on x86 CPUs with MKL, whose fast code paths are for Intel's CPUs: on AMD's it
-takes a generic AVX2 one. oneDNN (also inside PyTorch) runs AVX-512 on both. Measured side by side
-(docs/PERFORMANCE.md): at ViT-S/16's shapes oneDNN's fp32 GEMM ran 1.3-1.5x MKL's on an AMD EPYC Zen 4 and 2.0-2.3x
-on a Zen 5 (forward and input gradient; the weight gradient 1.6-1.9x), and 0.97x on an Intel Xeon. So on CPUs that
-are not Intel's, `linear` computes fp32 layers with oneDNN, in training too (a whole ViT-S/16 fp32 training step
-1.64x on the Zen 5), and everywhere else it is `F.linear`.
+takes a generic AVX2 one. oneDNN (also inside PyTorch) runs AVX-512 on both. Measured as single GEMMs at ViT-S/16's
+shapes (docs/PERFORMANCE.md): on an AMD EPYC Zen 5 oneDNN's forward and input gradient ran 2.0-2.3x MKL's and the
+weight gradient 1.6-1.9x; on a Zen 4 the forward 1.27-1.50x and the input gradient 0.96-1.19x; on an Intel Xeon
+0.97x. So on CPUs that are not Intel's, `linear` computes fp32 layers with oneDNN, in training too (whole fp32
+training steps on the Zen 5: ViT-S/16 1.58x, ViT-B/16 1.75x; compiled 1.45x), and everywhere else it is `F.linear`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,14 @@ def fp32_library() -> str:
     return "mkl" if library_available("mkl") and (cpu_is_intel() or not library_available("onednn")) else "onednn"
 
 
-@functools.cache
 def onednn_fp32() -> bool:
-    """Whether `linear` runs fp32 layers with oneDNN here: on x86 CPUs whose fp32 library is oneDNN's."""
-    return platform.machine().lower() in ("x86_64", "amd64") and fp32_library() == "onednn"
+    """Whether `linear` should run fp32 layers with oneDNN here: on x86 CPUs whose fp32 library is oneDNN's."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and fp32_library() == "onednn" and library_available("onednn")
+
+
+# Decided once, at import: a constant, which `torch.compile` reads without tracing the probes (a graph break).
+ONEDNN_FP32 = onednn_fp32()
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -59,51 +63,66 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class OneDNNLinear(torch.autograd.Function):
-    """F.linear with its forward and both gradients computed by oneDNN (the weight unpacked: it changes at every
-    step). Gradients agree with F.linear's to fp32 rounding (tests/test_model.py)."""
+# An operator of its own, so that `torch.compile` keeps it as one opaque call (inductor's lowering of oneDNN's op
+# needs a constant weight), with its gradients by oneDNN too.
+@torch.library.custom_op("vitkit::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear by oneDNN (the weight unpacked: it changes at every step); its forward and both gradients agree
+    with F.linear's to fp32 rounding (tests/test_kernels.py)."""
+    return _onednn(x, weight, bias)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _onednn(x, weight, bias)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad = grad.reshape(-1, weight.shape[0])  # (rows, out)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _onednn(grad, weight.t(), None).reshape(x.shape)  # grad @ weight
-        if ctx.needs_input_grad[1]:
-            grad_w = _onednn(grad.t(), x.reshape(-1, x.shape[-1]).t(), None)  # grad^T @ x
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.sum(0)
-        return grad_x, grad_w, grad_b
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _save(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _gradients(ctx, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    grad = grad.reshape(-1, weight.shape[0])  # (rows, out)
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = onednn_linear(grad, weight.t(), None).reshape(x.shape)  # grad @ weight
+    if ctx.needs_input_grad[1]:
+        grad_w = onednn_linear(grad.t(), x.reshape(-1, x.shape[-1]).t(), None)  # grad^T @ x
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = grad.sum(0)
+    return grad_x, grad_w, grad_b
+
+
+onednn_linear.register_autograd(_gradients, setup_context=_save)
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+# Under `torch.compile` a layer runs by oneDNN only when it has at least this many inputs and outputs: the compiled
+# fp32 training step of ViT-S/16 (384 wide) ran 1.45x with oneDNN's layers, the main job's (96 wide) 0.92-1.06x, where
+# the GEMMs are too small to pay for an opaque call in place of the compiler's own.
+COMPILED_MIN_FEATURES = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, computed by oneDNN where that is faster (`onednn_fp32`): fp32 tensors on the CPU, outside autocast
-    (which computes in bf16), `torch.compile` (which needs a constant weight for oneDNN's op), tracing and tensor
-    subclasses (sharded, fake)."""
-    plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
+    """F.linear, computed by oneDNN where that is faster (`ONEDNN_FP32`): fp32 tensors on the CPU, outside autocast
+    (which computes in bf16), export and tracing (whose graphs should hold standard operators) and tensor subclasses
+    (sharded, fake); under `torch.compile` for layers of `COMPILED_MIN_FEATURES` or more."""
     if (
-        plain
+        type(x) in _PLAIN
+        and type(weight) in _PLAIN
+        and (bias is None or type(bias) in _PLAIN)
         and x.dtype == weight.dtype == torch.float32
         and x.device.type == "cpu"
         and x.numel()
-        and (bias is None or type(bias) in (torch.Tensor, nn.Parameter))
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
         and not torch.jit.is_tracing()
-        and onednn_fp32()
+        and ONEDNN_FP32
+        and (not torch.compiler.is_compiling() or min(weight.shape) >= COMPILED_MIN_FEATURES)
     ):
-        learning = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        if learning and torch.is_grad_enabled():
-            return OneDNNLinear.apply(x, weight, bias)
-        return _onednn(x, weight, bias)
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
