@@ -190,7 +190,8 @@ def build_posemb(config: ViTConfig) -> Posemb:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# MLP and multi-head self-attention (the two sub-layers of eqs. 2 and 3).
+# MLP and multi-head self-attention (the two sub-layers of eqs. 2 and 3). Their linear layers are `kernels.Linear`:
+# nn.Linear, with its fp32 product computed by oneDNN on CPUs where MKL is slow (AMD's).
 # ----------------------------------------------------------------------------------------------------------
 
 
