@@ -103,11 +103,13 @@ def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
         torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_onednn_is_chosen_for_fp32_on_cpus_that_are_not_intels(monkeypatch):
+def test_onednn_is_chosen_for_fp32_on_cpus_with_avx512_that_are_not_intels(monkeypatch):
     if not kernels.library_available("mkl"):
         pytest.skip("this torch build has no MKL, so oneDNN is the only fp32 library")
     assert kernels.ONEDNN_FP32 == kernels.onednn_fp32()  # decided at import, as the probes decide now
     x86 = kernels.platform.machine().lower() in ("x86_64", "amd64")
     for intel in (True, False):
-        monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
-        assert kernels.onednn_fp32() == (x86 and not intel)
+        for capability in ("AVX2", "AVX512"):
+            monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            assert kernels.onednn_fp32() == (x86 and not intel and capability == "AVX512")

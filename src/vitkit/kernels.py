@@ -4,8 +4,9 @@ PyTorch runs fp32 matrix products on x86 CPUs with MKL, whose fast code paths ar
 takes a generic AVX2 one. oneDNN (also inside PyTorch) runs AVX-512 on both. Measured as single GEMMs at ViT-S/16's
 shapes (docs/PERFORMANCE.md): on an AMD EPYC Zen 5 oneDNN's forward and input gradient ran 2.0-2.3x MKL's and the
 weight gradient 1.6-1.9x; on a Zen 4 the forward 1.27-1.50x and the input gradient 0.96-1.19x; on an Intel Xeon
-0.97x. So on CPUs that are not Intel's, `linear` computes fp32 layers with oneDNN, in training too (whole fp32
-training steps on the Zen 5: ViT-S/16 1.58x, ViT-B/16 1.75x; compiled 1.45x), and everywhere else it is `F.linear`.
+0.97x. So on CPUs with AVX-512 that are not Intel's, `linear` computes fp32 layers with oneDNN, in training too
+(whole fp32 training steps on the Zen 5: ViT-S/16 1.58x, ViT-B/16 1.75x; compiled 1.45x), and everywhere else it is
+`F.linear`.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ def fp32_library() -> str:
 
 
 def onednn_fp32() -> bool:
-    """Whether `linear` should run fp32 layers with oneDNN here: on x86 CPUs whose fp32 library is oneDNN's."""
+    """Whether `linear` should run fp32 layers with oneDNN here: on x86 CPUs with AVX-512 whose fp32 library is
+    oneDNN's. With AVX2 only, oneDNN's GEMMs are no faster than MKL's: on the Zen 5 with both limited to AVX2 the
+    forward ran 1.0-1.1x, the weight gradient 0.85x, whole training steps 0.87-1.05x."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return x86 and fp32_library() == "onednn" and library_available("onednn")
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return x86 and avx512 and fp32_library() == "onednn" and library_available("onednn")
 
 
 # Decided once, at import: a constant, which `torch.compile` reads without tracing the probes (a graph break).
