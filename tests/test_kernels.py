@@ -1,4 +1,4 @@
-"""`kernels.linear`: fp32 linear layers by oneDNN on CPUs that are not Intel's, the same values and gradients as
+"""`kernels.linear`: fp32 linear layers by oneDNN on AVX-512 CPUs that are not Intel's, the same values and gradients as
 F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too."""
 
 import pytest
@@ -55,7 +55,7 @@ def test_linear_keeps_f_linear_under_autocast_and_for_other_dtypes(onednn_calls)
     assert onednn_calls == []
     layer.float()
     with torch.no_grad():
-        assert torch.equal(layer(x), kernels._onednn(x, layer.weight, layer.bias))  # no grad: the product alone
+        assert torch.equal(layer(x), kernels._onednn(x, layer.weight, layer.bias))  # under no_grad too
     assert len(onednn_calls) == 2
 
 
