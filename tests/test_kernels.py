@@ -78,6 +78,28 @@ def test_under_torch_compile_wide_layers_run_by_onednn_and_narrow_ones_by_f_line
         torch.testing.assert_close(grad_w, layer.weight.grad, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow  # inductor compiles C++: seconds
+def test_inductor_compiles_a_training_step_around_the_onednn_operator(onednn_calls):
+    from vitkit.optimization import compiler_present
+
+    if not compiler_present(torch.device("cpu")):
+        pytest.skip("torch.compile needs a C++ compiler and Python's C headers (Debian: g++, python3-dev)")
+    torch.manual_seed(0)
+    wide = kernels.COMPILED_MIN_FEATURES
+    layer = kernels.Linear(wide, wide)
+    x = torch.randn(6, wide, requires_grad=True)
+    y = torch.compile(lambda x: F.gelu(layer(x)))(x)  # inductor fuses the GELU around the opaque call
+    y.sum().backward()
+    assert len(onednn_calls) == 3
+    grads = x.grad, layer.weight.grad, layer.bias.grad
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    y_ref = F.gelu(F.linear(x, layer.weight, layer.bias))
+    y_ref.sum().backward()
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, (x.grad, layer.weight.grad, layer.bias.grad), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.slow  # exporting: seconds
 @pytest.mark.parametrize("strict", [True, False])
 def test_exported_graphs_hold_the_standard_linear(onednn_calls, strict):
