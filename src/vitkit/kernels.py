@@ -114,7 +114,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (which computes in bf16), export and tracing (whose graphs should hold standard operators) and tensor subclasses
     (sharded, fake); under `torch.compile` for layers of `COMPILED_MIN_FEATURES` or more."""
     if (
-        type(x) in _PLAIN
+        ONEDNN_FP32  # first: where it is False (Intel, AVX2), the layer is F.linear after one test
+        and type(x) in _PLAIN
         and type(weight) in _PLAIN
         and (bias is None or type(bias) in _PLAIN)
         and x.dtype == weight.dtype == torch.float32
@@ -123,7 +124,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_exporting()
         and not torch.jit.is_tracing()
-        and ONEDNN_FP32
         and (not torch.compiler.is_compiling() or min(weight.shape) >= COMPILED_MIN_FEATURES)
     ):
         return onednn_linear(x, weight, bias)
