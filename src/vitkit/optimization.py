@@ -204,13 +204,18 @@ def optimize(
     return fast
 
 
+def _plain_linear(module: nn.Module) -> typing.TypeGuard[nn.Linear]:
+    """nn.Linear or the model's `kernels.Linear`, not another subclass (whose forward may do more)."""
+    return type(module) in (nn.Linear, Linear)
+
+
 def _replace_linears(module: nn.Module) -> None:
     """Every nn.Linear -> PackedLinear; an MLP's GELU moves into its first layer (fused there in bf16)."""
     for name, child in module.named_children():
-        if type(child) is MlpBlock and type(child.act) is nn.GELU and type(child.fc1) in (nn.Linear, Linear):
+        if type(child) is MlpBlock and type(child.act) is nn.GELU and _plain_linear(child.fc1):
             child.register_module("fc1", PackedLinear(child.fc1, gelu=child.act.approximate))
             child.register_module("act", nn.Identity())
-        if isinstance(child, nn.Linear) and type(child) in (nn.Linear, Linear):
+        if _plain_linear(child):
             setattr(module, name, PackedLinear(child))
         else:
             _replace_linears(child)
