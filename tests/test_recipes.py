@@ -91,9 +91,9 @@ def test_partial_finetuning_trains_exactly_the_chosen_parameters(mode, extra):
 
 def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_path):
     (tmp_path / "c.yaml").write_text("lr: 0.002\nepochs: 3\ncrop_scale: [0.5, 1.0]\nmodel_args: {hidden_size: 32}\n")
-    (tmp_path / "c.json").write_text('{"batch_size": 64, "schedule": "linear"}')
+    (tmp_path / "c.json").write_text('{"batch_size": 64, "schedule": "cosine"}')
     assert TrainConfig.from_file(tmp_path / "c.yaml").crop_scale == (0.5, 1.0)
-    assert TrainConfig.from_file(tmp_path / "c.json").schedule == "linear"
+    assert TrainConfig.from_file(tmp_path / "c.json").schedule == "cosine"  # not the default
     args = build_parser().parse_args(
         ["train", "--config", str(tmp_path / "c.yaml"), "--epochs", "5", "--flip", "false",
          "--model-args", "hidden_size=48,num_heads=4", "--betas", "0.9", "0.95"]
