@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, Intel {kernels.cpu_is_intel()}, "
-          f"oneDNN layers here {kernels.onednn_fp32()}, torch {torch.__version__}")  # fmt: skip
+          f"oneDNN layers here {kernels.ONEDNN_FP32}, torch {torch.__version__}")  # fmt: skip
 
     torch.manual_seed(0)
     model = vitkit.create_model(args.model).eval()
@@ -36,6 +36,7 @@ def main() -> None:
     with torch.no_grad():
         reference = model(x)
 
+    native = kernels.ONEDNN_FP32  # this CPU's choice, put back after each phase
     copies = {}  # name: (module, the ONEDNN_FP32 it runs under)
     for name, onednn in (("compiled, oneDNN layers", True), ("compiled, F.linear layers", False)):
         kernels.ONEDNN_FP32 = onednn
@@ -46,8 +47,8 @@ def main() -> None:
         diff = (out - reference).abs().max().item()
         print(f"{name}: compiled in {time.perf_counter() - start:.0f} s, max |diff| {diff:.1e}", flush=True)
         copies[name] = (fast, onednn)
-    kernels.ONEDNN_FP32 = kernels.onednn_fp32()
-    copies["packed eager (the default)"] = (vitkit.optimize(model, "fp32"), kernels.ONEDNN_FP32)
+    kernels.ONEDNN_FP32 = native
+    copies["packed eager (the default)"] = (vitkit.optimize(model, "fp32"), native)
 
     def call(module: torch.nn.Module, onednn: bool) -> float:
         kernels.ONEDNN_FP32 = onednn
@@ -62,7 +63,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, (module, onednn) in copies.items():
             times[name].append(call(module, onednn))
-    kernels.ONEDNN_FP32 = kernels.onednn_fp32()
+    kernels.ONEDNN_FP32 = native
     median = {name: statistics.median(t) for name, t in times.items()}
     first = median["compiled, oneDNN layers"]
     for name, t in median.items():
