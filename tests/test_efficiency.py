@@ -21,13 +21,19 @@ def test_vit_b16_is_35_1_gflops():
     ],
 )
 def test_analytic_flops_match_torch_flop_counter(name, kwargs):
+    """flops(): every row of every layer (the paper's tables), as forward_intermediates computes them;
+    flops(pooled_only=True): what model(x) computes, fewer with a class token (the last layer's row 0 alone)."""
     config = decode_variant(name, num_classes=10, **kwargs)
     with torch.device("meta"):
         model = vitkit.VisionTransformer(config).eval()
         x = torch.empty(1, 3, *config.image_size)
-    with FlopCounterMode(display=False) as counter:
-        model(x)
-    assert vitkit.flops(config) == counter.get_total_flops()
+    counted = []
+    for forward in (model.forward_intermediates, model):
+        with FlopCounterMode(display=False) as counter:
+            forward(x)
+        counted.append(counter.get_total_flops())
+    assert counted == [vitkit.flops(config), vitkit.flops(config, pooled_only=True)]
+    assert (counted[1] < counted[0]) == (config.classifier == "token")
 
 
 def test_count_params_equals_real_model():

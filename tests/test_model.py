@@ -63,6 +63,31 @@ def test_sdpa_and_explicit_attention_agree(posemb):
     torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("classifier,posemb", [("token", "learn"), ("token", "relative"), ("gap", "learn")])
+def test_forward_computes_the_last_layer_for_the_class_token_alone_with_the_same_logits_and_gradients(
+    classifier, posemb
+):
+    """eq. (4) reads z_L^0 only: `model(x)` computes the last layer's class-token row alone (its MLP sees one row an
+    image), `forward_intermediates` every row (17: 16 patches and the class token); logits and every gradient agree.
+    With GAP every row reaches the head, so both compute all of them."""
+    model = perturbed(tiny(classifier=classifier, posemb=posemb)).train()
+    x, weights = torch.randn(3, 3, 32, 32), torch.randn(3, 5)
+    rows: list[int] = []
+    model.blocks[-1].mlp.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[1]))
+    results = []
+    for forward in (model, lambda x: model.forward_intermediates(x)["logits"]):
+        model.zero_grad()
+        logits = forward(x)
+        (logits * weights).sum().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    n = model.config.num_tokens
+    assert rows == ([1, n] if classifier == "token" else [n, n])
+    (fast, fast_grads), (full, full_grads) = results
+    torch.testing.assert_close(fast, full, atol=1e-5, rtol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), fast_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_training_attention_on_cpu_runs_in_fp32_and_matches_it(with_bias):
     # Training in bf16 on a CPU, `attend` computes in fp32 (PyTorch's bf16 attention backward is slow there):

@@ -170,7 +170,9 @@ def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: V
                 model(x)
 
         held = model
-    return _Cell("inference", precision, mode, run, x.shape[0], x.shape[0] * flops(config), state=(held,))
+    return _Cell(
+        "inference", precision, mode, run, x.shape[0], x.shape[0] * flops(config, pooled_only=True), state=(held,)
+    )
 
 
 def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: bool = False) -> _Cell:
@@ -188,7 +190,15 @@ def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: boo
 
     mode = "compiled" if compile else "plain"
     # backward: 2x forward
-    return _Cell("train", precision, mode, run, x.shape[0], 3 * x.shape[0] * flops(config), state=(model, optimizer))
+    return _Cell(
+        "train",
+        precision,
+        mode,
+        run,
+        x.shape[0],
+        3 * x.shape[0] * flops(config, pooled_only=True),
+        state=(model, optimizer),
+    )
 
 
 def _matmul_modes(precision: str, device: torch.device) -> tuple[str, ...]:

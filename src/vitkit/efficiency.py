@@ -42,11 +42,12 @@ def _stem_macs(config: ResNetConfig, in_chans: int, image_size: tuple[int, int])
     return macs
 
 
-def flops(config: ViTConfig | BiTConfig) -> int:
+def flops(config: ViTConfig | BiTConfig, pooled_only: bool = False) -> int:
     """Forward FLOPs for one image, counting a multiply-add as 2 (matmuls and convolutions only).
 
     ViT-B/16 at 224 px is 35.1 GFLOP. Norms, softmax and activations are a few percent and are left out,
-    as in the usual tables. A BiT ResNet counts its convolutions and its head.
+    as in the usual tables. A BiT ResNet counts its convolutions and its head. `pooled_only`: what `model(x)`
+    computes, whose last layer makes the class token's row alone (`VisionTransformer.encode`; ViT-B/16: 32.9).
     """
     if isinstance(config, BiTConfig):
         macs = _stem_macs(config.stem, config.in_chans, config.image_size)
@@ -58,8 +59,12 @@ def flops(config: ViTConfig | BiTConfig) -> int:
         macs += _stem_macs(config.hybrid, config.in_chans, config.image_size)
         cin = config.hybrid.out_channels
     macs += config.num_patches * ph * pw * cin * d  # patch embedding
-    per_layer = n * d * 3 * d + 2 * n * n * d + n * d * d + 2 * n * d * config.mlp_dim  # qkv, QK^T & AV, out, MLP
-    macs += config.num_layers * per_layer
+
+    def layer(rows: int) -> int:  # `rows` tokens ask (queries, then out and MLP); all n give keys and values
+        return n * d * 3 * d + 2 * rows * n * d + rows * d * d + 2 * rows * d * config.mlp_dim  # qkv, QK^T & AV, ...
+
+    last = 1 if pooled_only and config.classifier == "token" else n
+    macs += (config.num_layers - 1) * layer(n) + layer(last)
     rep = config.representation_size
     if rep:
         macs += d * rep
