@@ -13,6 +13,9 @@ Contenders:
 
 Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same AdamW.
 
+The process keeps freed memory for the next allocation (`vitkit.kernels.retain_freed_memory`, as the `vitkit`
+command does), which speeds every contender alike.
+
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
 and bf16, inference and training; long on a small CPU) or a part of it, e.g.
 `python benchmarks/compare.py --models ViT-S/16 --batches 1 8 --precisions fp32 --no-compile`.
@@ -184,13 +187,14 @@ def header(args: argparse.Namespace, command: str) -> str:
     import timm
     import transformers
 
+    retained = " Freed memory kept by glibc's malloc (`vitkit.kernels.retain_freed_memory`)." if args.retained else ""
     return (
         f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {m['cpu']} ({platform.machine()}), CPU capability "
         f"`{m['cpu_capability']}`, bf16 native: {'yes' if bf16_is_native() else 'no (emulated by oneDNN)'}, "
         f"{m['threads']} threads; torch {torch.__version__}, timm {timm.__version__}, transformers "
         f"{transformers.__version__}, Python {m['python']}. images/s, median of {args.rounds} interleaved rounds "
         f"(each at least {args.min_seconds} s) in one process; the ratio is the median of the rounds' ratios."
-        f"\n\nCommand: `{command}`"
+        f"{retained}\n\nCommand: `{command}`"
     )
 
 
@@ -224,6 +228,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.retained = vitkit.kernels.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
     command = "python benchmarks/compare.py " + shlex.join(sys.argv[1:])
     print(header(args, command), flush=True)
     rows = []

@@ -1,14 +1,20 @@
 """`kernels.linear`: fp32 linear layers by oneDNN on AVX-512 CPUs that are not Intel's, the same values and gradients as
-F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too."""
+F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too. And
+`retain_freed_memory`, which keeps glibc's malloc from handing each step's memory back to the system."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import SRC
 from vitkit import kernels
 from vitkit.architectures import new_model
 
-pytestmark = pytest.mark.skipif(
+needs_onednn = pytest.mark.skipif(
     not kernels.library_available("onednn"), reason="this torch build has no oneDNN (torch.backends.mkldnn)"
 )
 
@@ -16,6 +22,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def onednn_calls(monkeypatch):
     """Force the oneDNN path and count its products."""
+    if not kernels.library_available("onednn"):
+        pytest.skip("this torch build has no oneDNN (torch.backends.mkldnn)")
     calls = []
     product = kernels._onednn
 
@@ -109,6 +117,7 @@ def test_exported_graphs_hold_the_standard_linear(onednn_calls, strict):
     assert "aten.linear.default" in targets and not any("vitkit" in t for t in targets)
 
 
+@needs_onednn
 def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
     torch.manual_seed(0)
     model = new_model("ViT-Ti/4", hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, image_size=16,
@@ -125,6 +134,7 @@ def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
         torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@needs_onednn
 def test_onednn_is_chosen_for_fp32_on_cpus_with_avx512_that_are_not_intels(monkeypatch):
     if not kernels.library_available("mkl"):
         pytest.skip("this torch build has no MKL, so oneDNN is the only fp32 library")
@@ -135,3 +145,31 @@ def test_onednn_is_chosen_for_fp32_on_cpus_with_avx512_that_are_not_intels(monke
             monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
             monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
             assert kernels.onednn_fp32() == (x86 and not intel and capability == "AVX512")
+
+
+# A child process, so that the setting (process-wide, for good) is tried from glibc's defaults: it allocates 20
+# blocks of 4 MiB, writes them and frees them all, five times over, and counts the page faults of the last four.
+FAULTS = """
+import resource, sys, torch
+from vitkit import kernels
+def faults():
+    for i in range(5):
+        if i == 1:
+            start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.ones(1 << 20) for _ in range(20)]
+        del blocks
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+before = faults()
+assert kernels.retain_freed_memory()
+print(before, faults())
+"""
+
+
+@pytest.mark.skipif(not hasattr(kernels.ctypes.CDLL(None), "gnu_get_libc_version"), reason="needs glibc's malloc")
+def test_retained_freed_memory_is_not_faulted_in_again_at_every_step():
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    before, after = map(int, out.stdout.split())
+    pages = 4 * 20 * (4 << 20) // 4096  # the pages the last four rounds write (by default glibc faults them in
+    assert before > pages / 8 and after < pages / 20, (before, after, pages)  # again in one round to all four)

@@ -18,6 +18,7 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
+from .kernels import retain_freed_memory
 from .model import VisionTransformer
 from .optimization import optimize, resolve_precision
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
@@ -504,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     """Bad input (a value, a file): one line and exit status 2; a failure of the machine (a full disk, a dead
     data worker): one line and exit status 1. Warnings (a skipped image, say) are one line each."""
     args = build_parser().parse_args(argv)
+    retain_freed_memory()  # each command runs the same steps over and over: keep their memory between them
     formatwarning = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:

@@ -11,6 +11,7 @@ weight gradient 1.6-1.9x; on a Zen 4 the forward 1.27-1.50x and the input gradie
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import platform
 from pathlib import Path
@@ -135,3 +136,28 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# glibc's malloc hands freed memory back to the system: a block above M_MMAP_THRESHOLD (128 KiB at first) is unmapped
+# when freed, and the top of the heap is cut back once more than M_TRIM_THRESHOLD lies free there. A training step
+# frees all its activations at its end, so the next step maps them again and takes a page fault on every 4 KiB page
+# it touches: 2,100 faults a step in the main job (`vitkit train`), 3,600-8,500 in a bare loop of its step. Kept
+# (these thresholds), they fell to under 50, and on a 2-core AMD EPYC Zen 3 (AVX2, under KVM) the bare compiled step
+# ran 1.2-1.5x and the main job's training 1.06x (docs/PERFORMANCE.md).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+MMAP_THRESHOLD = 256 << 20  # blocks up to this size come from the heap (glibc's dynamic threshold stops at 32 MiB)
+TRIM_THRESHOLD = 1 << 30  # free memory kept at the top of the heap before it is returned
+
+
+def retain_freed_memory() -> bool:
+    """Let glibc's malloc keep freed memory for the next allocation instead of returning it to the system (and
+    faulting it in again): for a process that runs the same steps over and over, as `vitkit` commands do (the CLI
+    calls it). Process-wide and for good: a script that trains calls it once at its start. Returns False where the C
+    library is not glibc (nothing changes there)."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # only glibc has it
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
