@@ -49,6 +49,13 @@ def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
             torch.testing.assert_close(got["attention"][-1], want["attention"][-1], rtol=0, atol=1e-5)
 
 
+def test_fp32_packs_by_default_only_on_cpus_with_avx512_and_bf16_wherever_it_can(monkeypatch):
+    for avx512 in (True, False):
+        monkeypatch.setattr(opt, "avx512", lambda avx512=avx512: avx512)
+        assert opt.packing_pays("fp32") == (avx512 and opt.packing_available("fp32"))
+        assert opt.packing_pays("bf16") == opt.packing_available("bf16")
+
+
 def test_packed_linear_equals_f_linear_for_any_leading_shape():
     if not opt.packing_available("fp32"):
         pytest.skip("this torch build has no MKL (torch.ops.mkl._mkl_linear)")

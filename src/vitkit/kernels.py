@@ -49,13 +49,18 @@ def fp32_library() -> str:
     return "mkl" if library_available("mkl") and (cpu_is_intel() or not library_available("onednn")) else "onednn"
 
 
+def avx512() -> bool:
+    """Whether ATen runs this CPU's AVX-512 kernels (the fp32 speed-ups measured on AVX-512 CPUs need it)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def onednn_fp32() -> bool:
     """Whether `linear` should run fp32 layers with oneDNN here: on x86 CPUs with AVX-512 whose fp32 library is
     oneDNN's. With AVX2 only, oneDNN's GEMMs are no faster than MKL's: on the Zen 5 with both limited to AVX2 the
-    forward ran 1.0-1.1x, the weight gradient 0.85x, whole training steps 0.87-1.05x."""
+    forward ran 1.0-1.1x, the weight gradient 0.85x, whole training steps 0.87-1.05x; on an AVX2-only AMD EPYC Zen 3,
+    at the main job's shapes, the forward 0.85-1.1x and the weight gradient 0.3-0.6x."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    return x86 and avx512 and fp32_library() == "onednn" and library_available("onednn")
+    return x86 and avx512() and fp32_library() == "onednn" and library_available("onednn")
 
 
 # Decided once, at import: a constant, which `torch.compile` reads without tracing the probes (a graph break).

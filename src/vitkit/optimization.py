@@ -5,8 +5,8 @@ What it does (each step measured on the machine it was written on; figures in do
 - a copy in eval mode with every parameter frozen, so no autograd state is kept;
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
-- on CPUs, every linear layer's weight packed where that pays (`packing_pays`): fp32 for MKL's GEMM on Intel CPUs
-  (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits) and for oneDNN's elsewhere
+- on CPUs, every linear layer's weight packed where that pays (`packing_pays`): fp32 on AVX-512 CPUs, for MKL's GEMM
+  on Intel's (`torch.ops.mkl._mkl_linear`, the kernel `torch.compile(freezing)` emits) and for oneDNN's on others
   (`fp32_library`), one packing per number of rows up to `PACKED_MAX_ROWS`; bf16 (where native) for oneDNN's linear
   (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), with the MLP's GELU fused in (so in oneDNN's fp32
   too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import LIBRARIES, Linear, fp32_library, library_available
+from .kernels import LIBRARIES, Linear, avx512, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -157,10 +157,12 @@ def packing_available(precision: str) -> bool:
 
 
 def packing_pays(precision: str) -> bool:
-    """Whether `optimize` packs by default: wherever it can. fp32 packs up to `PACKED_MAX_ROWS` rows (ViT-S/16 and
-    ViT-B/16 ran 1.09-1.32x at batch 1 and 8 on AVX-512); bf16 at every size where bf16 is native, for the number
-    of rows up to `PACKED_MAX_ROWS` and above it with the packing for 1 row."""
-    return packing_available(precision)
+    """Whether `optimize` packs by default. fp32: where the CPU has AVX-512, up to `PACKED_MAX_ROWS` rows (ViT-S/16
+    and ViT-B/16 ran 1.09-1.32x at batch 1 and 8 there); not with AVX2 only, where it did not pay (an AMD EPYC Zen 3:
+    the copy packed for oneDNN ran 0.94-1.04x of the plain model, for MKL 0.96-1.00x; a Xeon limited to AVX2 1.03x).
+    bf16: wherever bf16 is native, for the number of rows up to `PACKED_MAX_ROWS` and above it with the packing for
+    1 row."""
+    return packing_available(precision) and (precision == "bf16" or avx512())
 
 
 def optimize(
