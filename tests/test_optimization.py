@@ -183,7 +183,7 @@ def test_the_mlps_gelu_moves_into_the_packed_first_layer_and_copies_repack(preci
     if not opt.packing_available(precision):
         pytest.skip(f"this CPU or torch build cannot pack {precision} weights (MKL; oneDNN with native bf16)")
     model = small_model(act="gelu_tanh")
-    fast = optimize(model, precision)
+    fast = optimize(model, precision, pack=True)  # also where packing does not pay by default (fp32, AVX2)
     mlp = fast.blocks[0].mlp
     assert isinstance(mlp.fc1, PackedLinear) and mlp.fc1.gelu == "tanh" and isinstance(mlp.act, torch.nn.Identity)
     assert isinstance(mlp.fc2, PackedLinear) and mlp.fc2.gelu is None
