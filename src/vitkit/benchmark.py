@@ -47,12 +47,14 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
+    try:  # the first processor's name, family and model ("AMD EPYC" alone names several generations)
+        fields = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines())
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "model name" in fields:
+            known = "cpu family" in fields and "model" in fields
+            generation = f" (family {fields['cpu family']}, model {fields['model']})" if known else ""
+            info["cpu"] = fields["model name"] + generation
+    except (OSError, ValueError):
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -170,9 +172,8 @@ def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: V
                 model(x)
 
         held = model
-    return _Cell(
-        "inference", precision, mode, run, x.shape[0], x.shape[0] * flops(config, pooled_only=True), state=(held,)
-    )
+    images = x.shape[0]
+    return _Cell("inference", precision, mode, run, images, images * flops(config, pooled_only=True), state=(held,))
 
 
 def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: bool = False) -> _Cell:
@@ -189,16 +190,8 @@ def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: boo
         optimizer.zero_grad(set_to_none=True)
 
     mode = "compiled" if compile else "plain"
-    # backward: 2x forward
-    return _Cell(
-        "train",
-        precision,
-        mode,
-        run,
-        x.shape[0],
-        3 * x.shape[0] * flops(config, pooled_only=True),
-        state=(model, optimizer),
-    )
+    work = 3 * x.shape[0] * flops(config, pooled_only=True)  # backward: 2x forward
+    return _Cell("train", precision, mode, run, x.shape[0], work, state=(model, optimizer))
 
 
 def _matmul_modes(precision: str, device: torch.device) -> tuple[str, ...]:

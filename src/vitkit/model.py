@@ -363,8 +363,8 @@ class EncoderBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`queries`: compute the outputs of the first `queries` tokens only (B, queries, D); None: all."""
         y, probs = self.attn(self.norm1(x), bias, need_weights, queries)
-        x = x[:, :queries] + self.drop_path1(self.ls1(self.drop(y)))  # z' = MSA(LN(z)) + z          (2)
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))  # z = MLP(LN(z')) + z'   (3)
+        x = x[:, :queries] + self.drop_path1(self.ls1(self.drop(y)))  # z' = MSA(LN(z)) + z   (2)
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))  # z = MLP(LN(z')) + z'    (3)
         return x, probs
 
 
