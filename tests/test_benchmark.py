@@ -5,7 +5,7 @@ import torch
 
 import vitkit
 from vitkit import optimization as opt
-from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches
+from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine
 from vitkit.cli import main
 
 TINY = "hidden_size=16,num_layers=1,mlp_dim=32,num_heads=2,num_classes=4"
@@ -84,3 +84,14 @@ def test_largest_batch_follows_the_line_through_the_measured_peaks():
              "peak_memory_mb": 100 + 10 * b} for b in (1, 8)]  # fmt: skip
     (fit,) = largest_batches(rows, budget_gb=1)
     assert fit["largest_batch"] == (1024 - 100) // 10 and fit["per_image_mb"] == pytest.approx(10)
+
+
+def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them():
+    try:
+        first = open("/proc/cpuinfo").read().split("\n\n")[0]
+    except OSError:
+        pytest.skip("needs Linux's /proc/cpuinfo")
+    if "cpu family" not in first:
+        pytest.skip("needs an x86 /proc/cpuinfo (cpu family, model)")
+    fields = {line.split(":")[0].strip(): line.split(":")[-1].strip() for line in first.splitlines()}
+    assert machine()["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
