@@ -154,15 +154,21 @@ MMAP_THRESHOLD = 256 << 20  # blocks up to this size come from the heap (glibc's
 TRIM_THRESHOLD = 1 << 30  # free memory kept at the top of the heap before it is returned
 
 
+def glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc (whose malloc `retain_freed_memory` sets), else None."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None  # only glibc has it
+
+
 def retain_freed_memory() -> bool:
     """Let glibc's malloc keep freed memory for the next allocation instead of returning it to the system (and
     faulting it in again): for a process that runs the same steps over and over, as `vitkit` commands do (the CLI
     calls it). Process-wide and for good: a script that trains calls it once at its start. Returns False where the C
     library is not glibc (nothing changes there)."""
-    try:
-        libc = ctypes.CDLL(None)
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):  # only glibc has it
+    libc = glibc()
+    if libc is None:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
