@@ -48,8 +48,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
     }
     try:  # the first processor's name, family and model ("AMD EPYC" alone names several generations)
-        fields = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines())
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        lines = open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
         if "model name" in fields:
             known = "cpu family" in fields and "model" in fields
             generation = f" (family {fields['cpu family']}, model {fields['model']})" if known else ""
