@@ -48,7 +48,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
     }
     try:  # the first processor's name, family and model ("AMD EPYC" alone names several generations)
-        lines = open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
         fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
         if "model name" in fields:
             known = "cpu family" in fields and "model" in fields
