@@ -1,12 +1,19 @@
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import vitkit
+from conftest import SRC
 from vitkit import optimization as opt
 from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine
 from vitkit.cli import main
+
+BENCHMARKS = SRC.parent / "benchmarks"
 
 TINY = "hidden_size=16,num_layers=1,mlp_dim=32,num_heads=2,num_classes=4"
 
@@ -95,3 +102,57 @@ def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them
         pytest.skip("needs an x86 /proc/cpuinfo (cpu family, model)")
     fields = {line.split(":")[0].strip(): line.split(":")[-1].strip() for line in first.splitlines()}
     assert machine()["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """A script of benchmarks/ as a user runs it, on this worktree's sources, one thread."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(BENCHMARKS)]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_flops_over_the_peak():
+    # gpu.sh's first part, small enough for a CPU: a broken script costs a lent GPU's minutes, this a test's seconds
+    done = run_script("gpu_train.py", "--model", "ViT-Ti/16", "--image-size", "32", "--batch", "2", "--steps", "2",
+                      "--rounds", "1", "--no-compile", "--device", "cpu", "--peak-tflops", "0.001")  # fmt: skip
+    found = re.findall(r"^  (vitkit|timm) +([\d.]+) images/s +MFU +([\d.]+)% +vitkit/\1 = ([\d.]+)$", done.stdout, re.M)
+    assert [name for name, *_ in found] == ["vitkit", "timm"], done.stdout
+    config = vitkit.decode_variant("ViT-Ti/16", image_size=32)
+    for name, images_per_s, mfu, _ in found:
+        # 3x the forward FLOPs (vitkit's forward makes the last layer's class-token row alone) at 1 GFLOP/s peak
+        flops = 3 * vitkit.flops(config, pooled_only=name == "vitkit")
+        assert float(mfu) / 100 == pytest.approx(float(images_per_s) * flops / 1e9, rel=0.02)
+    (vitkit_rate, timm_rate) = (float(r) for *_, r in found)
+    assert vitkit_rate == 1.0 and timm_rate > 0
+
+
+@pytest.mark.slow
+def test_the_comparison_script_writes_its_table_into_the_named_block_and_a_second_run_replaces_it(tmp_path):
+    doc = tmp_path / "PERFORMANCE.md"
+    doc.write_text("# Performance\n\nwritten by hand\n")
+    args = ("--models", "ViT-Ti/16", "--batches", "1", "--precisions", "fp32", "--rounds", "1", "--min-seconds",
+            "0", "--no-compile", "--write", str(doc), "--block", "smoke")  # fmt: skip
+    for _ in range(2):
+        run_script("compare.py", *args)
+    text = doc.read_text()
+    assert text.startswith("# Performance\n\nwritten by hand\n\n<!-- compare.py smoke: begin -->")
+    assert text.count("<!-- compare.py smoke: begin -->") == 1 and text.rstrip().endswith("smoke: end -->")
+    assert f"CPU capability `{torch.backends.cpu.get_cpu_capability()}`" in text
+    assert "Command: `python benchmarks/compare.py --models ViT-Ti/16" in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ViT-Ti/16 |")]
+    assert [row[3] for row in rows] == ["inference", "train"]
+    for row in rows:
+        cells = {"vitkit": row[4], "vitkit optimized": row[5], "timm": row[6], "HF": row[8]}
+        rates = {k: float(v) for k, v in cells.items() if v != "-"}
+        if row[7] != "-":  # timm's best CPU option: "12.34 (to_mkldnn)"
+            rate, option = re.fullmatch(r"([\d.]+) \((.+)\)", row[7]).groups()
+            rates[f"timm {option}"] = float(rate)
+        ratio, best_peer = re.fullmatch(r"\*\*([\d.]+)x\*\* \((.+)\) \|", row[9]).groups()
+        peers = {k: v for k, v in rates.items() if not k.startswith("vitkit")}
+        assert best_peer == max(peers, key=peers.get)
+        ours = rates["vitkit optimized" if row[3] == "inference" else "vitkit"]
+        # one round: the ratio of the round is the ratio of the printed rates (rounded to 2 decimals)
+        assert float(ratio) == pytest.approx(ours / peers[best_peer], abs=0.011, rel=0.01)
