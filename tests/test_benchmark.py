@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,7 +96,7 @@ def test_largest_batch_follows_the_line_through_the_measured_peaks():
 
 def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them():
     try:
-        first = open("/proc/cpuinfo").read().split("\n\n")[0]
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
         pytest.skip("needs Linux's /proc/cpuinfo")
     if "cpu family" not in first:
