@@ -35,6 +35,15 @@ def backbone_session(path, dynamic: bool = False):
     return lambda x: session.run([output], {graph.graph.input[0].name: x.numpy()})[0]
 
 
+def assert_matches_both(ours, path, theirs) -> None:
+    """The loaded backbone's features against onnxruntime on the graph and against the exported Hugging Face model."""
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        features = ours.forward_features(x)
+        np.testing.assert_allclose(features.numpy(), backbone_session(path)(x), atol=1e-4, rtol=0)
+        torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
+
+
 @pytest.fixture
 def lying_dinov2_onnx(tmp_path):
     """A random Dinov2Model exported at 28 px (posemb for 32 px: the graph resizes it), its initializer names
@@ -69,11 +78,7 @@ def test_graph_with_lying_names_loads_by_structure_and_matches_onnxruntime(lying
     ours = vitkit.load_checkpoint(path)
     assert (ours.config.num_heads, ours.config.num_layers, ours.config.image_size) == (4, 2, (28, 28))
     assert ours.config.layer_scale_init == 1.0 and ours.config.act == "gelu"
-    x = torch.randn(2, 3, 28, 28)
-    with torch.no_grad():
-        features = ours.forward_features(x)
-        np.testing.assert_allclose(features.numpy(), backbone_session(path)(x), atol=1e-4, rtol=0)
-        torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
+    assert_matches_both(ours, path, theirs)
 
 
 def test_graph_with_its_weights_in_an_external_data_file_loads_the_same(lying_dinov2_onnx, tmp_path):
@@ -143,11 +148,7 @@ def test_graph_with_reordered_nodes_and_initializers_loads_by_structure(lying_di
     onnx.save(graph, reordered_path)
     ours = vitkit.load_checkpoint(reordered_path)
     assert (ours.config.num_heads, ours.config.num_layers, ours.config.layer_scale_init) == (4, 2, 1.0)
-    x = torch.randn(2, 3, 28, 28)
-    with torch.no_grad():
-        features = ours.forward_features(x)
-        np.testing.assert_allclose(features.numpy(), backbone_session(reordered_path)(x), atol=1e-4, rtol=0)
-        torch.testing.assert_close(features, theirs(pixel_values=x).last_hidden_state, atol=1e-5, rtol=0)
+    assert_matches_both(ours, reordered_path, theirs)
 
 
 def test_onnx_is_load_only(lying_dinov2_onnx, tmp_path):
