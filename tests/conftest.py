@@ -24,6 +24,12 @@ SMALL_ENCODER = {"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads":
 SRC = Path(__file__).resolve().parents[1] / "src"  # PYTHONPATH for the subprocesses (CLI, torchrun) of the tests
 
 
+def subprocess_env(*paths: Path) -> dict[str, str]:
+    """The environment of a test's subprocess (the CLI, torchrun, a benchmark script): this worktree's sources on
+    the path (then `paths`), and one OpenMP thread a process."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (SRC, *paths)), "OMP_NUM_THREADS": "1"}
+
+
 def run_weights(run_dir) -> dict[str, torch.Tensor]:
     """The final weights of a training run (its model.safetensors)."""
     from safetensors.torch import load_file

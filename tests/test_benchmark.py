@@ -1,5 +1,4 @@
 import json
-import os
 import re
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SRC
+from conftest import SRC, subprocess_env
 from vitkit import optimization as opt
 from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine
 from vitkit.cli import main
@@ -107,9 +106,8 @@ def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     """A script of benchmarks/ as a user runs it, on this worktree's sources, one thread."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(BENCHMARKS)]), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
+                          env=subprocess_env(BENCHMARKS), timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 import vitkit
+from conftest import subprocess_env
 from vitkit.cli import main
 from vitkit.data import DATASETS
 from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
-
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +26,7 @@ def _threads_restored():
 
 def run_vitkit(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """The real `python -m vitkit` in a subprocess, on this worktree's sources."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "vitkit", *args], capture_output=True, text=True, env=env,
                           timeout=timeout)  # fmt: skip
 
@@ -180,7 +179,7 @@ def on_a_terminal(*args: str) -> bytes:
     import struct
     import termios
 
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     pid, fd = pty.fork()
     if pid == 0:  # the child: stdout and stderr are the terminal
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))

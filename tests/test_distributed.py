@@ -11,15 +11,15 @@ import torch
 
 import vitkit
 from conftest import SMALL_ENCODER as TINY
-from conftest import SRC
 from conftest import assert_same_weights as assert_close
 from conftest import run_weights as weights
+from conftest import subprocess_env
 from vitkit.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
 from vitkit.recipes import TrainConfig, build_optimizer
 from vitkit.runs import read_checkpoint
 from vitkit.training import train
 
-ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+ENV = subprocess_env()
 # SGD (Adam turns rounding noise into lr-sized steps, see test_training) and a clip threshold that every step
 # hits, so that the gradient norm over shards is part of what is compared. 47 test images in batches of 23: one
 # process evaluates 2 batches, the other 1, which a sharded model must make up for with an empty forward.

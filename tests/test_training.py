@@ -11,7 +11,7 @@ import torch
 
 import vitkit
 from conftest import SMALL_ENCODER as TINY
-from conftest import SRC, assert_same_weights
+from conftest import assert_same_weights, subprocess_env
 from conftest import run_weights as weights
 from vitkit import recipes
 from vitkit.cli import main
@@ -84,7 +84,7 @@ def test_two_gloo_processes_under_torchrun_match_one_process(tmp_path):
             "--data", "shapes", "--data-args", json.dumps(one.data_args), "--model", one.model,
             "--model-args", json.dumps(one.model_args), "--batch-size", "8", "--steps", "6", "--eval-every", "0",
             "--crop-scale", "0.3", "1.0", "--log-every", "2", "--out-dir", str(tmp_path / "two")]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     done = subprocess.run(
         [*command, "-m", "vitkit", "train", *args], env=env, capture_output=True, text=True, timeout=240
