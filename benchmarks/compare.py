@@ -43,7 +43,7 @@ import torch.utils.mkldnn
 
 import vitkit
 from vitkit.benchmark import machine
-from vitkit.optimization import bf16_is_native
+from vitkit.inference import bf16_is_native
 
 
 def markers(block: str | None) -> tuple[str, str]:

@@ -9,7 +9,7 @@ import torch
 
 import vitkit
 from conftest import SRC, subprocess_env
-from vitkit import optimization as opt
+from vitkit import inference as opt
 from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine
 from vitkit.cli import main
 

@@ -88,7 +88,7 @@ def test_under_torch_compile_wide_layers_run_by_onednn_and_narrow_ones_by_f_line
 
 @pytest.mark.slow  # inductor compiles C++: seconds
 def test_inductor_compiles_a_training_step_around_the_onednn_operator(onednn_calls):
-    from vitkit.optimization import compiler_present
+    from vitkit.inference import compiler_present
 
     if not compiler_present(torch.device("cpu")):
         pytest.skip("torch.compile needs a C++ compiler and Python's C headers (Debian: g++, python3-dev)")

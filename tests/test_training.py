@@ -18,7 +18,7 @@ from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.distributed import World
 from vitkit.model import resample_grid
-from vitkit.optimization import compiler_present, resolve_precision
+from vitkit.inference import compiler_present, resolve_precision
 from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
 from vitkit.runs import read_checkpoint, read_metrics
 from vitkit.training import initial_model, train

@@ -14,7 +14,7 @@ from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .errors import CheckpointError, ImageError
 from .model import VisionTransformer
-from .optimization import optimize
+from .inference import optimize
 from .pretrained import list_pretrained
 from .recipes import TrainConfig
 
@@ -29,7 +29,7 @@ _LAZY = {
     "experiment": "experiments",
     "bench": "benchmark",
 }
-_SUBMODULES = ("analysis", "benchmark", "data", "experiments", "formats", "optimization", "report", "training",
+_SUBMODULES = ("analysis", "benchmark", "data", "experiments", "formats", "inference", "report", "training",
                "evaluation")  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
 from .model import VisionTransformer
-from .optimization import PackedLinear, bf16_is_native, optimize, packing_available
+from .inference import PackedLinear, bf16_is_native, optimize, packing_available
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")

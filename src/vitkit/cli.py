@@ -20,7 +20,7 @@ from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
 from .kernels import retain_freed_memory
 from .model import VisionTransformer
-from .optimization import optimize, resolve_precision
+from .inference import optimize, resolve_precision
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 

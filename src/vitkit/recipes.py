@@ -23,7 +23,7 @@ from torch import nn
 
 from .config import check_fields, check_type
 from .distributed import STRATEGIES, World
-from .optimization import PRECISIONS, compiler_present  # precision auto: bf16 where native
+from .inference import PRECISIONS, compiler_present  # precision auto: bf16 where native
 
 # The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
