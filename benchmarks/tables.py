@@ -1,0 +1,279 @@
+"""The generated tables of README.md and docs/*.md, made from the measurement records in benchmarks/results/.
+
+    python benchmarks/tables.py            # rewrite every generated table from the data
+    python benchmarks/tables.py --check    # exit 1, naming each table that differs from what the data gives
+
+A generated table sits between `<!-- tables.py: NAME -->` and `<!-- /tables.py -->`, NAME one of `TABLES`.
+Each record (one JSON file) names its machine (CPU, family and model, instruction flags, threads), its date,
+commit and command, and its rows; a new machine's results are a new file, and its column appears in the tables.
+Where a machine has several records of the same cell, the latest one is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BLOCK = re.compile(r"(<!-- tables\.py: ([\w-]+) -->\n)(.*?)(<!-- /tables\.py -->)", re.S)
+
+# Microarchitectures by vendor, CPU family and model as /proc/cpuinfo gives them; other CPUs are named by
+# vendor and instruction set.
+MICROARCHITECTURES = {
+    ("AMD", 25, 1): "Zen 3",
+    ("AMD", 25, 17): "Zen 4",
+    ("AMD", 26, 2): "Zen 5",
+    ("Intel", 6, 143): "Sapphire Rapids",
+    ("Intel", 6, 207): "Emerald Rapids",
+}
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def load(results: Path = RESULTS) -> list[dict]:
+    """Every record, with the name of its file."""
+    return [{**json.loads(p.read_text()), "file": p.name} for p in sorted(results.glob("*.json"))]
+
+
+def instructions(machine: dict) -> str:
+    flags = set(machine.get("flags") or ())
+    if {"amx_tile", "amx_bf16"} & flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX-512 BF16"
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else machine.get("cpu_capability", "?")
+
+
+def label(machine: dict) -> str:
+    cpu, family, model = machine["cpu"], machine.get("family"), machine.get("model")
+    vendor = "AMD" if "AMD" in cpu else "Intel" if "Intel" in cpu else cpu.split()[0]
+    if (vendor, family, model) in MICROARCHITECTURES:
+        return MICROARCHITECTURES[vendor, family, model]
+    short = "EPYC" if "EPYC" in cpu else "Xeon" if "Xeon" in cpu else vendor
+    where = f" {family}/{model}" if family is not None else ""
+    return f"{short} {instructions(machine)}{where}"
+
+
+def markdown(head: list[str], rows: list[list[str]], right: int = 0) -> str:
+    """A markdown table; the last `right` columns aligned right."""
+    align = ["---"] * (len(head) - right) + ["---:"] * right
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def machines_in(records: list[dict]) -> list[str]:
+    """Machine labels, the machine of the newest record first (records without a date count as oldest)."""
+    newest: dict[str, str] = {}
+    for r in records:
+        name = label(r["machine"])
+        newest[name] = max(newest.get(name, ""), r.get("date") or "")
+    return sorted(newest, key=lambda name: newest[name], reverse=True)
+
+
+def latest_cells(records: list[dict], kind: str) -> dict[tuple, dict[str, dict]]:
+    """(model, batch, precision) -> machine -> the row of that machine's latest compare record for it."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for record in sorted(records, key=lambda r: r.get("date") or ""):
+        if record["benchmark"] != "compare":
+            continue
+        for row in record["rows"]:
+            if row["kind"] == kind:
+                key = (row["model"], row["batch"], row["precision"])
+                cells.setdefault(key, {})[label(record["machine"])] = row
+    return cells
+
+
+def cell_order(key: tuple) -> tuple:
+    model, batch, precision = key
+    return (model, precision, batch)
+
+
+def comparison(records: list[dict], kind: str) -> str:
+    cells = latest_cells(records, kind)
+    columns = [m for m in machines_in(records) if any(m in per for per in cells.values())]
+    rows = []
+    for key in sorted(cells, key=cell_order):
+        per = cells[key]
+        rows.append([key[0], str(key[1]), key[2]] + [f"{per[m]['ratio']:.2f}x" if m in per else "" for m in columns])
+    return markdown(["model", "batch", "precision", *columns], rows, right=len(columns))
+
+
+def inference(records: list[dict]) -> str:
+    """vitkit.optimize's copy over the fastest peer (timm, its best CPU option, Hugging Face), per machine."""
+    return comparison(records, "inference")
+
+
+def training(records: list[dict]) -> str:
+    """The plain model's training step over the fastest peer's, per machine."""
+    return comparison(records, "train")
+
+
+def ratio_range(rows: list[dict]) -> str:
+    if not rows:
+        return "-"
+    low, high = min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)
+    span = f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
+    return f"{span} ({len(rows)} cells)"
+
+
+def summary(records: list[dict]) -> str:
+    """Per machine: the range of the inference and training ratios over the fastest peer."""
+    cells = {kind: latest_cells(records, kind) for kind in ("inference", "train")}
+    rows = []
+    for m in machines_in([r for r in records if r["benchmark"] == "compare"]):
+        inf = [per[m] for per in cells["inference"].values() if m in per]
+        train = [per[m] for per in cells["train"].values() if m in per]
+        rows.append([m, ratio_range(inf), ratio_range(train)])
+    return markdown(["machine", "inference: optimized copy / fastest peer", "training step / fastest peer"], rows, 2)
+
+
+def bench(records: list[dict]) -> str:
+    """`vitkit bench`: inference FLOP/s as a fraction of the machine's own matmul rate, plain / optimized."""
+    cells: dict[tuple, dict[str, dict[str, float]]] = {}
+    for record in sorted(records, key=lambda r: r.get("date") or ""):
+        if record["benchmark"] != "bench":
+            continue
+        for row in record["rows"]:
+            if row["kind"] == "inference":
+                key = (record["model"], row["image_size"], row["batch"], row["precision"])
+                cells.setdefault(key, {}).setdefault(label(record["machine"]), {})[row["mode"]] = row[
+                    "fraction_of_matmul"
+                ]
+    columns = machines_in([r for r in records if r["benchmark"] == "bench"])
+    rows = []
+    for key in sorted(cells, key=lambda k: (k[0], k[3], k[1], k[2])):
+        per = cells[key]
+
+        def cell(m: str, per=per) -> str:
+            modes = per.get(m, {})
+            return " / ".join(f"{modes[mode]:.2f}" if mode in modes else "-" for mode in ("plain", "optimized"))
+
+        rows.append([key[0], str(key[1]), str(key[2]), key[3]] + [cell(m) if m in per else "" for m in columns])
+    return markdown(["model", "px", "batch", "precision", *columns], rows, right=len(columns))
+
+
+def ratio_text(ratio) -> str:
+    return f"{ratio[0]:.2f}-{ratio[1]:.2f}x" if isinstance(ratio, list) else f"{ratio:.2f}x"
+
+
+def options(records: list[dict]) -> str:
+    """What each of vitkit's speed rules gains, side by side against the same without it."""
+    rows = []
+    for record in sorted(records, key=lambda r: r.get("date") or ""):
+        if record["benchmark"] == "options":
+            for row in record["rows"]:
+                rows.append(
+                    [row["option"], row["cell"], row["against"], label(record["machine"]), ratio_text(row["ratio"])]
+                )
+    return markdown(["rule", "measured on", "against", "machine", "ratio"], rows, right=1)
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def main_job(records: list[dict]) -> str:
+    """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in sorted(records, key=lambda r: r.get("date") or "9999"):
+        if record["benchmark"] == "main-job":
+            for row in record["rows"]:
+                groups.setdefault((label(record["machine"]), row["precision"], row["schedule"]), []).append(row)
+    rows = []
+    for (machine, precision, schedule), runs in groups.items():
+        top1 = sorted({r["top1"] for r in runs})
+        accuracy = f"{top1[0]:.2f}%" if len(top1) == 1 else f"{top1[0]:.2f}-{top1[-1]:.2f}%"
+        cold = sorted(r["wall_s"] for r in runs if r["wall_s"] is not None and r["cache"] == "cold")
+        time = "-" if not cold else minutes(cold[0]) + ("" if len(cold) == 1 else f" to {minutes(cold[-1])}")
+        seeds = len({r["seed"] for r in runs})
+        count = f"{len(runs)}" + (f" ({seeds} seeds)" if seeds > 1 else "")
+        rows.append([machine, precision, schedule, count, accuracy, time])
+    return markdown(["machine", "precision", "decay", "runs", "test top-1", "wall time, cold cache"], rows, right=3)
+
+
+def transfer(records: list[dict]) -> str:
+    """benchmarks/transfer.py: the pre-trained ViT-S/14 against the same network from scratch."""
+    rows = []
+    for record in records:
+        if record["benchmark"] == "transfer":
+            for row in record["rows"]:
+                probe = "-" if row["linear_probe"] is None else f"{row['linear_probe']:.1f}%"
+                rows.append([row["data"], row["model"], probe, f"{row['fine_tune']:.1f}%", str(row["steps"])])
+    return markdown(["data", "model", "linear probe", "full fine-tune", "fine-tune steps"], rows, right=3)
+
+
+def machines(records: list[dict]) -> str:
+    """The machines the records come from, as /proc/cpuinfo names them."""
+    seen: dict[str, tuple[dict, set, int]] = {}
+    for record in records:
+        m = record["machine"]
+        entry = seen.setdefault(label(m), (m, set(), 0))
+        entry[1].add(m.get("threads"))
+        seen[label(m)] = (entry[0], entry[1], entry[2] + 1)
+    rows = []
+    for name in machines_in(records):
+        m, threads, count = seen[name]
+        bf16 = "native" if m.get("bf16_native_cpu") else "emulated"
+        rows.append([name, m["cpu"], instructions(m), bf16, ", ".join(str(t) for t in sorted(threads)), str(count)])
+    return markdown(["machine", "CPU", "instructions", "bf16", "threads", "records"], rows, right=1)
+
+
+TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "inference": inference,
+    "training": training,
+    "summary": summary,
+    "bench": bench,
+    "options": options,
+    "main-job": main_job,
+    "transfer": transfer,
+    "machines": machines,
+}
+
+
+def render(doc: str, records: list[dict]) -> tuple[str, list[str]]:
+    """The document with each generated table made from the data, and the names of those that changed."""
+    changed: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in TABLES:
+            raise SystemExit(f"unknown table {name!r}: choose from {', '.join(TABLES)}")
+        table = TABLES[name](records) + "\n"
+        if match.group(3) != table:
+            changed.append(name)
+        return match.group(1) + table + match.group(4)
+
+    return BLOCK.sub(replace, doc), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("documents", nargs="*", type=Path, help="default: README.md and docs/*.md")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the folder of JSON records")
+    args = parser.parse_args(argv)
+    records = load(args.results)
+    stale = []
+    for path in args.documents or documents():
+        text, changed = render(path.read_text(), records)
+        stale += [f"{path.name}: {name}" for name in changed]
+        if changed and not args.check:
+            path.write_text(text)
+    if args.check and stale:
+        print("tables that differ from benchmarks/results (run python benchmarks/tables.py):", file=sys.stderr)
+        print("\n".join(f"  {s}" for s in stale), file=sys.stderr)
+        return 1
+    for s in stale:
+        print(f"rewrote {s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
