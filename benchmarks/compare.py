@@ -1,4 +1,4 @@
-"""vitkit against timm and Hugging Face on the same ViT, measured side by side, written into docs/PERFORMANCE.md.
+"""vitkit against timm and Hugging Face on the same ViT, measured side by side, written as a JSON record.
 
 For each model, batch size, precision and kind (inference, or a training step: forward, backward, AdamW), every
 contender runs in interleaved rounds in this one process (each round led by another one) and the median is kept,
@@ -19,18 +19,16 @@ command does), which speeds every contender alike.
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
 and bf16, inference and training; long on a small CPU) or a part of it, e.g.
 `python benchmarks/compare.py --models ViT-S/16 --batches 1 8 --precisions fp32 --no-compile`.
-`--write docs/PERFORMANCE.md` replaces the generated block of that file with the new table (`--block NAME`: the
-block of that name, so that a part measured again can sit beside the whole table). On a machine whose speed
-changes from second to second, `--min-seconds 0 --rounds 30` times one call per contender and round: paired
-single calls, the order rotated each round.
+`--out benchmarks/results/compare-MACHINE-PART.json` writes the record (machine, versions, date, commit, command,
+every round), from which `python benchmarks/tables.py` makes the tables of docs/PERFORMANCE.md and the README. On a
+machine whose speed changes from second to second, `--min-seconds 0 --rounds 30` times one call per contender and
+round: paired single calls, the order rotated each round.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import re
-import shlex
+import json
 import statistics
 import sys
 import time
@@ -42,14 +40,8 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 import vitkit
-from vitkit.benchmark import machine
-from vitkit.inference import bf16_is_native
-
-
-def markers(block: str | None) -> tuple[str, str]:
-    """The comments around a generated table: `<!-- compare.py: begin -->`, or `<!-- compare.py NAME: begin -->`."""
-    name = "compare.py" if not block else f"compare.py {block}"
-    return f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+from vitkit.benchmark import record_header
+from vitkit.files import atomic_write
 
 
 def build_timm(config: vitkit.ViTConfig) -> torch.nn.Module:
@@ -156,19 +148,26 @@ def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str
     return {name: [batch / t for t in ts] for name, ts in times.items()}
 
 
+def summarise(cell: dict) -> dict:
+    """A cell's medians and vitkit's ratio over the best peer (the peer of the highest median): the median of the two's
+    ratios round by round, so that the machine's drift between rounds cancels. Inference: the optimized copy."""
+    rounds = cell["rounds"]
+    medians = {k: statistics.median(v) for k, v in rounds.items()}
+    peers = {k: v for k, v in medians.items() if not k.startswith("vitkit")}
+    ours = "vitkit optimized" if "vitkit optimized" in medians else "vitkit"
+    best_peer = max(peers, key=peers.get)
+    ratio = statistics.median(a / b for a, b in zip(rounds[ours], rounds[best_peer], strict=True))
+    return {**cell, "images_per_s": medians, "ratio": ratio, "best_peer": best_peer}
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown: median images/s of each contender, and vitkit's best over the best peer (the peer of the highest
-    median): the median of the two's ratios round by round, so that the machine's drift between rounds cancels."""
+    """Markdown: median images/s of each contender, and vitkit over the best peer."""
     head = ("| model | batch | precision | kind | vitkit | vitkit optimized | timm | timm best CPU option | HF "
             "| vitkit / best peer |")  # fmt: skip
     lines = [head, "|" + "---|" * 10]
     for r in rows:
-        rates = {k: statistics.median(v) for k, v in r["rates"].items()}
+        rates = r["images_per_s"]
         timm_best = max((k for k in rates if k.startswith("timm ")), key=rates.get, default=None)
-        peers = {k: v for k, v in rates.items() if not k.startswith("vitkit")}
-        ours = "vitkit optimized" if "vitkit optimized" in rates else "vitkit"  # inference: the optimized copy
-        best_peer = max(peers, key=peers.get)
-        ratio = statistics.median(a / b for a, b in zip(r["rates"][ours], r["rates"][best_peer], strict=True))
 
         def cell(key, rates=rates):
             return f"{rates[key]:.2f}" if key in rates else "-"
@@ -177,37 +176,32 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['precision']} | {r['kind']} | {cell('vitkit')} | "
             f"{cell('vitkit optimized')} | {cell('timm')} | {best} | {cell('HF')} | "
-            f"**{ratio:.2f}x** ({best_peer}) |"
+            f"**{r['ratio']:.2f}x** ({r['best_peer']}) |"
         )
     return "\n".join(lines)
 
 
-def header(args: argparse.Namespace, command: str) -> str:
-    m = machine()
+def record(args: argparse.Namespace) -> dict:
+    """The JSON record of this run, without its rows."""
     import timm
     import transformers
 
-    retained = " Freed memory kept by glibc's malloc (`vitkit.kernels.retain_freed_memory`)." if args.retained else ""
-    return (
-        f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {m['cpu']} ({platform.machine()}), CPU capability "
-        f"`{m['cpu_capability']}`, bf16 native: {'yes' if bf16_is_native() else 'no (emulated by oneDNN)'}, "
-        f"{m['threads']} threads; torch {torch.__version__}, timm {timm.__version__}, transformers "
-        f"{transformers.__version__}, Python {m['python']}. images/s, median of {args.rounds} interleaved rounds "
-        f"(each at least {args.min_seconds} s) in one process; the ratio is the median of the rounds' ratios."
-        f"{retained}\n\nCommand: `{command}`"
-    )
+    return {
+        **record_header("compare"),
+        "versions": {"timm": timm.__version__, "transformers": transformers.__version__},
+        "settings": {
+            "rounds": args.rounds,
+            "min_seconds": args.min_seconds,
+            "retain_freed_memory": args.retained,
+            "compile": args.compile,
+        },
+        "source": "run",
+        "rows": [],
+    }
 
 
-def write_block(path: Path, text: str, name: str | None = None) -> None:
-    """Replace the generated block `name` of `path` (between its markers), or append one."""
-    doc = path.read_text() if path.exists() else ""
-    begin, end = markers(name)
-    block = f"{begin}\n{text}\n{end}"
-    if begin in doc:
-        doc = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, doc, flags=re.S)
-    else:
-        doc = doc.rstrip() + "\n\n" + block + "\n"
-    path.write_text(doc)
+def write_record(path: Path, result: dict) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
 
 
 def main() -> None:
@@ -223,26 +217,33 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.5, help="shortest timing per contender and round")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave out timm + torch.compile")
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--write", type=Path, help="markdown file whose generated block gets the table")
-    parser.add_argument("--block", help="name of the generated block to replace (default: the main table's)")
+    parser.add_argument(
+        "--out", type=Path, help="the JSON record to write (benchmarks/results/compare-MACHINE-PART.json)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.retained = vitkit.kernels.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
-    command = "python benchmarks/compare.py " + shlex.join(sys.argv[1:])
-    print(header(args, command), flush=True)
-    rows = []
+    result = record(args)
+    m = result["machine"]
+    where = f"{m['cpu']}, CPU capability {m['cpu_capability']}, bf16 native: {m['bf16_native_cpu']}"
+    print(
+        f"{where}, {m['threads']} threads; images/s, median of {args.rounds} interleaved rounds; the ratio is the "
+        "median of the rounds' ratios",
+        flush=True,
+    )
     for name in args.models:
         for kind in args.kinds:
             for precision in args.precisions:
                 for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
                     runs = contenders(name, batch, precision, kind, args.compile and kind == "inference")
-                    rates = measure(runs, args.rounds, args.min_seconds, batch)
-                    rows.append({"model": name, "batch": batch, "precision": precision, "kind": kind, "rates": rates})
-                    print(table(rows[-1:]).splitlines()[-1], flush=True)
-                    if args.write:  # after every cell, so a run cut short still leaves what it measured
-                        write_block(args.write, header(args, command) + "\n\n" + table(rows), args.block)
-    print(table(rows))
+                    rounds = measure(runs, args.rounds, args.min_seconds, batch)
+                    cell = {"model": name, "batch": batch, "precision": precision, "kind": kind, "rounds": rounds}
+                    result["rows"].append(summarise(cell))
+                    print(table(result["rows"][-1:]).splitlines()[-1], flush=True)
+                    if args.out:  # after every cell, so a run cut short still leaves what it measured
+                        write_record(args.out, result)
+    print(table(result["rows"]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 import vitkit
 from conftest import SRC, subprocess_env
 from vitkit import inference as opt
-from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine
+from vitkit.benchmark import CPU_FLAGS, PeakMemory, _state_bytes, largest_batches, machine
 from vitkit.cli import main
 
 BENCHMARKS = SRC.parent / "benchmarks"
@@ -101,7 +102,10 @@ def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them
     if "cpu family" not in first:
         pytest.skip("needs an x86 /proc/cpuinfo (cpu family, model)")
     fields = {line.split(":")[0].strip(): line.split(":")[-1].strip() for line in first.splitlines()}
-    assert machine()["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+    info = machine()
+    assert info["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+    assert (info["family"], info["model"]) == (int(fields["cpu family"]), int(fields["model"]))
+    assert info["flags"] == [f for f in CPU_FLAGS if f in fields["flags"].split()]
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -129,29 +133,23 @@ def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_f
 
 
 @pytest.mark.slow
-def test_the_comparison_script_writes_its_table_into_the_named_block_and_a_second_run_replaces_it(tmp_path):
-    doc = tmp_path / "PERFORMANCE.md"
-    doc.write_text("# Performance\n\nwritten by hand\n")
-    args = ("--models", "ViT-Ti/16", "--batches", "1", "--precisions", "fp32", "--rounds", "1", "--min-seconds",
-            "0", "--no-compile", "--write", str(doc), "--block", "smoke")  # fmt: skip
-    for _ in range(2):
-        run_script("compare.py", *args)
-    text = doc.read_text()
-    assert text.startswith("# Performance\n\nwritten by hand\n\n<!-- compare.py smoke: begin -->")
-    assert text.count("<!-- compare.py smoke: begin -->") == 1 and text.rstrip().endswith("smoke: end -->")
-    assert f"CPU capability `{torch.backends.cpu.get_cpu_capability()}`" in text
-    assert "Command: `python benchmarks/compare.py --models ViT-Ti/16" in text
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ViT-Ti/16 |")]
-    assert [row[3] for row in rows] == ["inference", "train"]
-    for row in rows:
-        cells = {"vitkit": row[4], "vitkit optimized": row[5], "timm": row[6], "HF": row[8]}
-        rates = {k: float(v) for k, v in cells.items() if v != "-"}
-        if row[7] != "-":  # timm's best CPU option: "12.34 (to_mkldnn)"
-            rate, option = re.fullmatch(r"([\d.]+) \((.+)\)", row[7]).groups()
-            rates[f"timm {option}"] = float(rate)
-        ratio, best_peer = re.fullmatch(r"\*\*([\d.]+)x\*\* \((.+)\) \|", row[9]).groups()
-        peers = {k: v for k, v in rates.items() if not k.startswith("vitkit")}
-        assert peers[best_peer] == max(peers.values())  # the peer of the highest median (ties print alike)
-        ours = rates["vitkit optimized" if row[3] == "inference" else "vitkit"]
-        # one round: the ratio of the round is the ratio of the printed rates (rounded to 2 decimals)
-        assert float(ratio) == pytest.approx(ours / peers[best_peer], abs=0.011, rel=0.01)
+def test_the_comparison_script_writes_a_record_with_the_machine_every_round_and_the_ratio_of_the_rounds(tmp_path):
+    out = tmp_path / "compare.json"
+    run_script("compare.py", "--models", "ViT-Ti/16", "--batches", "1", "--precisions", "fp32", "--rounds", "3",
+               "--min-seconds", "0", "--no-compile", "--out", str(out))  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "compare" and record["machine"]["cpu"] == machine()["cpu"]
+    assert record["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert record["command"].startswith("python benchmarks/compare.py --models ViT-Ti/16")
+    assert record["settings"]["rounds"] == 3 and record["date"] and record["versions"]["timm"]
+    assert [row["kind"] for row in record["rows"]] == ["inference", "train"]
+    for row in record["rows"]:
+        rounds = row["rounds"]
+        assert all(len(v) == 3 for v in rounds.values()) and "HF" in rounds and "vitkit" in rounds
+        assert row["images_per_s"] == {k: statistics.median(v) for k, v in rounds.items()}
+        peers = {k: v for k, v in row["images_per_s"].items() if not k.startswith("vitkit")}
+        assert row["best_peer"] == max(peers, key=peers.get)
+        ours = rounds["vitkit optimized" if row["kind"] == "inference" else "vitkit"]
+        # the median of the rounds' ratios, not the ratio of the medians: the machine's drift cancels round by round
+        expected = statistics.median(a / b for a, b in zip(ours, rounds[row["best_peer"]], strict=True))
+        assert row["ratio"] == pytest.approx(expected)

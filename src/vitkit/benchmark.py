@@ -13,8 +13,12 @@ median is kept, so that noise from other work on the machine hits all of them al
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 import weakref
@@ -29,18 +33,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
-from .model import VisionTransformer
 from .inference import PackedLinear, bf16_is_native, optimize, packing_available
+from .model import VisionTransformer
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+# The /proc/cpuinfo flags that decide which kernels run: AVX-512 for oneDNN's fp32 layers, bf16 and AMX for bf16.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
-    info = {
+    info: dict[str, Any] = {
         "cpu": platform.processor() or platform.machine(),
+        "family": None,
+        "model": None,
+        "flags": [],
+        "cores": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_native_cpu": bf16_is_native("cpu"),
         "threads": torch.get_num_threads(),
@@ -49,17 +61,48 @@ def machine() -> dict[str, Any]:
     }
     try:  # the first processor's name, family and model ("AMD EPYC" alone names several generations)
         lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
         if "model name" in fields:
             known = "cpu family" in fields and "model" in fields
             generation = f" (family {fields['cpu family']}, model {fields['model']})" if known else ""
             info["cpu"] = fields["model name"] + generation
+            if known:
+                info["family"], info["model"] = int(fields["cpu family"]), int(fields["model"])
+        info["flags"] = [f for f in CPU_FLAGS if f in fields.get("flags", "").split()]
     except (OSError, ValueError):
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["bf16_native_gpu"] = bf16_is_native("cuda")
     return info
+
+
+def record_header(benchmark: str) -> dict[str, Any]:
+    """What every measurement record starts with: which benchmark, the machine, when, at which commit, the command."""
+    argv = [Path(sys.argv[0]).name, *sys.argv[1:]]
+    command = shlex.join(argv[1:])
+    if argv[0] == "__main__.py":
+        command = "python -m vitkit " + command
+    elif argv[0].endswith(".py"):
+        command = f"python {Path(sys.argv[0]).parent.name}/{argv[0]} " + command
+    else:
+        command = f"{argv[0]} " + command
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "benchmark": benchmark,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        "commit": commit,
+        "command": command.strip(),
+    }
 
 
 class PeakMemory(TorchDispatchMode):
@@ -259,10 +302,12 @@ def bench(
         raise ValueError(f"rounds={rounds}, batch_sizes={batch_sizes}: need at least one round, batch and size.")
     device = torch.device(device)
     base = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
+    header = record_header("bench")
     result: dict[str, Any] = {
+        **header,
         "model": model if isinstance(model, str) else "custom",
         "config": base.to_dict(),
-        "machine": {**machine(), "device": str(device)},
+        "machine": {**header["machine"], "device": str(device)},
         "settings": {"rounds": rounds, "min_seconds": min_seconds, "memory_budget_gb": memory_budget_gb},
         "rows": [],
         "largest_batch": [],
@@ -313,6 +358,7 @@ def bench(
                     "kind": cell.kind,
                     "mode": cell.mode,
                     "gflops_per_s": cell.flops / seconds / 1e9,
+                    "rounds_s": cell.rates,  # seconds per call, each round
                 }
                 row["fraction_of_matmul"] = cell.flops / seconds / peak[cell.precision]
                 if cell.kind != "matmul":
