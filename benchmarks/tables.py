@@ -182,7 +182,7 @@ def minutes(seconds: float) -> str:
 def main_job(records: list[dict]) -> str:
     """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine."""
     groups: dict[tuple, list[dict]] = {}
-    for record in sorted(records, key=lambda r: r.get("date") or "9999"):
+    for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
         if record["benchmark"] == "main-job":
             for row in record["rows"]:
                 groups.setdefault((label(record["machine"]), row["precision"], row["schedule"]), []).append(row)
@@ -196,6 +196,18 @@ def main_job(records: list[dict]) -> str:
         count = f"{len(runs)}" + (f" ({seeds} seeds)" if seeds > 1 else "")
         rows.append([machine, precision, schedule, count, accuracy, time])
     return markdown(["machine", "precision", "decay", "runs", "test top-1", "wall time, cold cache"], rows, right=3)
+
+
+def recipe(records: list[dict]) -> str:
+    """The main job with one change to its recipe: test top-1, per machine."""
+    rows = []
+    for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
+        if record["benchmark"] == "recipe":
+            for row in record["rows"]:
+                time = "-" if row["wall_s"] is None else minutes(row["wall_s"])
+                machine = label(record["machine"]) + (", 1 thread" if row["threads"] == 1 else "")
+                rows.append([row["variant"], row["schedule"], machine, f"{row['top1']:.2f}%", time])
+    return markdown(["change", "decay", "machine", "test top-1", "wall time"], rows, right=2)
 
 
 def transfer(records: list[dict]) -> str:
@@ -232,6 +244,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "bench": bench,
     "options": options,
     "main-job": main_job,
+    "recipe": recipe,
     "transfer": transfer,
     "machines": machines,
 }
