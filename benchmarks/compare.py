@@ -28,7 +28,6 @@ round: paired single calls, the order rotated each round.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -40,8 +39,7 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 import vitkit
-from vitkit.benchmark import record_header
-from vitkit.files import atomic_write
+from vitkit.benchmark import record_header, write_record
 
 
 def build_timm(config: vitkit.ViTConfig) -> torch.nn.Module:
@@ -198,10 +196,6 @@ def record(args: argparse.Namespace) -> dict:
         "source": "run",
         "rows": [],
     }
-
-
-def write_record(path: Path, result: dict) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
 
 
 def main() -> None:

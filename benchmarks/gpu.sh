@@ -28,8 +28,8 @@ part() {  # part NAME SECONDS COMMAND...
 
 part gpu 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv && $PY -c \"import torch; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'flash sdpa', torch.backends.cuda.flash_sdp_enabled())\""
-part train_b16 150 "$PY" benchmarks/gpu_train.py --model ViT-B/16 --batch 256 --device cuda
-part train_l16 180 "$PY" benchmarks/gpu_train.py --model ViT-L/16 --batch 128 --device cuda
+part train_b16 150 "$PY" benchmarks/gpu_train.py --model ViT-B/16 --batch 256 --device cuda --out "$OUT/train_b16.json"
+part train_l16 180 "$PY" benchmarks/gpu_train.py --model ViT-L/16 --batch 128 --device cuda --out "$OUT/train_l16.json"
 part bench_b16 100 "$PY" -m vitkit bench --device cuda --model ViT-B/16 --image-size 224 384 --batch-size 64 256 \
     --precision bf16 --no-train --memory-budget-gb 130 --rounds 3 --out "$OUT/bench_b16.json"
 

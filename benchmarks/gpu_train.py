@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from compare import build_timm
 
 import vitkit
+from vitkit.benchmark import record_header, write_record
 
 
 def step_fn(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, compile: bool):
@@ -46,6 +48,9 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    parser.add_argument(
+        "--out", type=Path, help="write a JSON record of the results (benchmarks/results/gpu-train-MACHINE.json)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -80,6 +85,18 @@ def main() -> None:
               f"vitkit/{k} = {rate[k] / rate['vitkit']:.3f}")  # fmt: skip
     if device.type == "cuda":
         print(f"  peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB (both models)")
+    if args.out:
+        rows = [
+            {
+                "library": k,
+                "images_per_s": args.batch / seconds,
+                "mfu": train_flops[k] / seconds / (args.peak_tflops * 1e12),
+                "rounds_s": times[k],
+            }
+            for k, seconds in rate.items()
+        ]
+        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        write_record(args.out, {**record_header("gpu-train"), "device": name, "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

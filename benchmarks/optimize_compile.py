@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import vitkit
 from vitkit import kernels
+from vitkit.benchmark import record_header, write_record
 
 
 def main() -> None:
@@ -25,6 +27,9 @@ def main() -> None:
     parser.add_argument("--model", default="ViT-S/16")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--out", type=Path, help="write a JSON record of the results (benchmarks/results/optimize-compile-MACHINE.json)"
+    )
     args = parser.parse_args()
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, Intel {kernels.cpu_is_intel()}, "
           f"oneDNN layers here {kernels.ONEDNN_FP32}, torch {torch.__version__}")  # fmt: skip
@@ -68,6 +73,13 @@ def main() -> None:
     first = median["compiled, oneDNN layers"]
     for name, t in median.items():
         print(f"{name:28s} {args.batch / t:7.1f} images/s   {first / t:5.2f}x of compiled with oneDNN layers")
+    if args.out:
+        rows = [
+            {"variant": name, "images_per_s": args.batch / t, "ratio": first / t, "rounds_s": times[name]}
+            for name, t in median.items()
+        ]
+        settings = {"model": args.model, "batch": args.batch, "rounds": args.rounds}
+        write_record(args.out, {**record_header("optimize-compile"), "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

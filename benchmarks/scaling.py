@@ -20,9 +20,11 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from vitkit.benchmark import record_header, write_record
 from vitkit.config import decode_variant
 from vitkit.efficiency import count_params, flops
 from vitkit.model import VisionTransformer
@@ -73,7 +75,13 @@ def measure_one(name: str, batch: int, steps: int) -> dict:
         times.append(time.perf_counter() - tick)
     seconds = min(times[1:])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"model": name, "batch": batch, "images_per_s": batch / seconds, "peak_rss": peak - baseline}
+    return {
+        "model": name,
+        "batch": batch,
+        "images_per_s": batch / seconds,
+        "peak_rss": peak - baseline,
+        "rounds_s": times[1:],
+    }
 
 
 def cmd_measure(args: argparse.Namespace) -> None:
@@ -81,6 +89,7 @@ def cmd_measure(args: argparse.Namespace) -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
     print(f"{'model':<10}{'params':>9}{'batch':>6}{'img/s':>8}{'+peak RSS':>10}{'state 16B/p':>12}"
           f"{'act/img':>9}{'ckpt act/img':>13}")  # fmt: skip
+    rows = []
     for name in args.variants:
         call = f"measure_one({name!r}, {args.batch}, {args.steps})"
         code = f"import json, benchmarks.scaling as s; print(json.dumps(s.{call}))"
@@ -90,6 +99,18 @@ def cmd_measure(args: argparse.Namespace) -> None:
         print(f"{name:<10}{params / 1e6:>8.1f}M{r['batch']:>6}{r['images_per_s']:>8.2f}{r['peak_rss'] / GIB:>9.2f}G"
               f"{params * STATE_BYTES / GIB:>11.2f}G{activation_bytes(name) / 2**20:>8.0f}M"
               f"{activation_bytes(name, checkpointing=True) / 2**20:>12.0f}M")  # fmt: skip
+        rows.append(
+            {
+                **r,
+                "params": params,
+                "state_bytes": params * STATE_BYTES,
+                "activation_bytes": activation_bytes(name),
+                "checkpointed_activation_bytes": activation_bytes(name, checkpointing=True),
+            }
+        )
+    if args.out:
+        settings = {"batch": args.batch, "steps": args.steps, "load_average": os.getloadavg()[0]}
+        write_record(args.out, {**record_header("scaling"), "settings": settings, "rows": rows})
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -127,6 +148,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["ViT-Ti/16", "ViT-S/16", "ViT-B/16"])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--out", type=Path, help="write a JSON record of the results (benchmarks/results/scaling-MACHINE.json)"
+    )
     p.set_defaults(func=cmd_measure)
     p = sub.add_parser("plan")
     p.add_argument("--mfu", type=float, default=0.4)

@@ -14,6 +14,7 @@ import os
 import tarfile
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +22,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
+from vitkit.benchmark import record_header, write_record
 from vitkit.data import ShapesDataset
 from vitkit.images import read_image
 
@@ -84,19 +86,24 @@ def read_parquet(folder: str, decode: bool) -> int:
     return n
 
 
-def best_of_3(fn, *args) -> float:
+def three_times(fn, *args) -> list[float]:
+    """Seconds of three calls; the best is reported."""
     times = []
     for _ in range(3):
         tick = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - tick)
-    return min(times)
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=2000)
-    n = parser.parse_args().images
+    parser.add_argument(
+        "--out", type=Path, help="write a JSON record of the results (benchmarks/results/shard-formats-MACHINE.json)"
+    )
+    args = parser.parse_args()
+    n, rows = args.images, []
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores; pyarrow {pa.__version__}")  # fmt: skip
     samples = jpegs(n)
@@ -105,11 +112,25 @@ def main() -> None:
     formats = (("tar", write_tar, read_tar, ".tar"), ("parquet", write_parquet, read_parquet, ".parquet"))
     for name, write, read, suffix in formats:
         with tempfile.TemporaryDirectory() as folder:
-            w = best_of_3(write, folder, samples)
+            rounds = {"write": three_times(write, folder, samples)}
             size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(suffix))
             assert read(folder, False) == n
-            r, d = best_of_3(read, folder, False), best_of_3(read, folder, True)
+            rounds["stream"], rounds["decode"] = three_times(read, folder, False), three_times(read, folder, True)
+            w, r, d = (min(rounds[k]) for k in ("write", "stream", "decode"))
             print(f"{name:<10}{n / w:>12.0f}{size / n:>10.0f}{n / r:>11.0f}{n / d:>18.0f}")
+            rows.append(
+                {
+                    "format": name,
+                    "write_images_per_s": n / w,
+                    "bytes_per_image": size / n,
+                    "stream_images_per_s": n / r,
+                    "decode_images_per_s": n / d,
+                    "rounds_s": rounds,
+                }
+            )
+    if args.out:
+        settings = {"images": n, "shards": SHARDS, "pyarrow": pa.__version__, "load_average": os.getloadavg()[0]}
+        write_record(args.out, {**record_header("shard-formats"), "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

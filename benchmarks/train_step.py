@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import vitkit.model as vm
 from vitkit.architectures import new_model
+from vitkit.benchmark import record_header, write_record
 from vitkit.cli import _mapping
 from vitkit.evaluation import autocast
 from vitkit.inference import bf16_is_native
@@ -61,7 +63,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--min-seconds", type=float, default=1.5)
+    p.add_argument(
+        "--out", type=Path, help="write a JSON record of the results (benchmarks/results/train-step-MACHINE.json)"
+    )
     args = p.parse_args()
+    rows = []
     torch.set_num_threads(args.threads)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, bf16 native: {bf16_is_native('cpu')}, "
           f"{args.threads} threads, torch {torch.__version__}; {args.model} {args.model_args or ''} "
@@ -91,7 +97,13 @@ def main() -> None:
         for name, values in rates.items():
             rate = statistics.median(values)
             print(f"{precision:5s} {name:24s} {rate:7.0f} images/s  {rate / first:.2f}x")
+            rows.append(
+                {"precision": precision, "variant": name, "images_per_s": rate, "ratio": rate / first, "rounds": values}
+            )
     vm.attend_explicit = WRITTEN_OUT
+    if args.out:
+        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        write_record(args.out, {**record_header("train-step"), "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import vitkit
+from vitkit.benchmark import record_header, write_record
 from vitkit.data import get_dataset, to_input
 from vitkit.recipes import learning_rate
 
@@ -97,7 +99,11 @@ def main() -> None:
     parser.add_argument("--data", nargs="+", default=["fashion-mnist", "mnist-5k"])
     parser.add_argument("--models", nargs="+", default=["pretrained", "scratch"], choices=["pretrained", "scratch"])
     parser.add_argument("--no-probe", action="store_true", help="fine-tune only")
+    parser.add_argument(
+        "--out", type=Path, help="write a JSON record of the results (benchmarks/results/transfer-MACHINE.json)"
+    )
     args = parser.parse_args()
+    rows = []
     print(f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; {args.size} px, "
           f"{args.train} train / {args.test} test images, fine-tune {args.steps} steps x {args.batch}")  # fmt: skip
     for data in args.data:
@@ -113,6 +119,18 @@ def main() -> None:
             tuned = fine_tune(build(args.size), train, test, args.size, args.steps, args.batch)
             print(f"{data:<14} {name:<22} linear probe {100 * probe:5.1f}%   fine-tune {100 * tuned:5.1f}%   "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "data": data,
+                    "model": name,
+                    "steps": args.steps,
+                    "fine_tune": 100 * tuned,
+                    "linear_probe": None if args.no_probe else 100 * probe,
+                }
+            )
+    if args.out:
+        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        write_record(args.out, {**record_header("transfer"), "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

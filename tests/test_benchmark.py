@@ -117,10 +117,11 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_flops_over_the_peak():
+def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_flops_over_the_peak(tmp_path):
     # gpu.sh's first part, small enough for a CPU: a broken script costs a lent GPU's minutes, this a test's seconds
     done = run_script("gpu_train.py", "--model", "ViT-Ti/16", "--image-size", "32", "--batch", "2", "--steps", "2",
-                      "--rounds", "1", "--no-compile", "--device", "cpu", "--peak-tflops", "0.001")  # fmt: skip
+                      "--rounds", "1", "--no-compile", "--device", "cpu", "--peak-tflops", "0.001",
+                      "--out", str(tmp_path / "gpu.json"))  # fmt: skip
     found = re.findall(r"^  (vitkit|timm) +([\d.]+) images/s +MFU +([\d.]+)% +vitkit/\1 = ([\d.]+)$", done.stdout, re.M)
     assert [name for name, *_ in found] == ["vitkit", "timm"], done.stdout
     config = vitkit.decode_variant("ViT-Ti/16", image_size=32)
@@ -130,6 +131,11 @@ def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_f
         assert float(mfu) / 100 == pytest.approx(float(images_per_s) * flops / 1e9, rel=0.02)
     (vitkit_rate, timm_rate) = (float(r) for *_, r in found)
     assert vitkit_rate == 1.0 and timm_rate > 0
+    record = json.loads((tmp_path / "gpu.json").read_text())  # the printed figures, as a record
+    assert record["benchmark"] == "gpu-train" and [r["library"] for r in record["rows"]] == ["vitkit", "timm"]
+    for (_, images_per_s, mfu, _), row in zip(found, record["rows"], strict=True):
+        assert row["images_per_s"] == pytest.approx(float(images_per_s), rel=0.01)
+        assert 100 * row["mfu"] == pytest.approx(float(mfu), abs=0.06) and len(row["rounds_s"]) == 1
 
 
 @pytest.mark.slow

@@ -77,32 +77,46 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def record_header(benchmark: str) -> dict[str, Any]:
-    """What every measurement record starts with: which benchmark, the machine, when, at which commit, the command."""
-    argv = [Path(sys.argv[0]).name, *sys.argv[1:]]
-    command = shlex.join(argv[1:])
-    if argv[0] == "__main__.py":
-        command = "python -m vitkit " + command
-    elif argv[0].endswith(".py"):
-        command = f"python {Path(sys.argv[0]).parent.name}/{argv[0]} " + command
-    else:
-        command = f"{argv[0]} " + command
+def commit() -> str | None:
+    """The git commit of the checkout vitkit runs from, with "+dirty" when tracked files differ from it."""
+    git = ["git", "-C", str(Path(__file__).parent)]
     try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
-            ).stdout.strip()
-            or None
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
         )
     except (OSError, subprocess.SubprocessError):
-        commit = None
+        return None
+    if head.returncode != 0:  # an installed package, not a checkout
+        return None
+    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
+
+
+def record_header(benchmark: str) -> dict[str, Any]:
+    """What every measurement record starts with: which benchmark, the machine, when, at which commit, the command."""
+    program, args = Path(sys.argv[0]), shlex.join(sys.argv[1:])
+    if program.name == "__main__.py":
+        command = f"python -m vitkit {args}"
+    elif program.suffix == ".py":
+        command = f"python {program.parent.name}/{program.name} {args}"
+    else:
+        command = f"{program.name} {args}"
     return {
         "benchmark": benchmark,
         "machine": machine(),
         "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-        "commit": commit,
+        "commit": commit(),
         "command": command.strip(),
     }
+
+
+def write_record(path: str | Path, record: dict[str, Any]) -> Path:
+    """Write a measurement record as JSON, atomically (values JSON does not know, such as paths, as strings)."""
+    from .files import atomic_write
+
+    path = Path(path)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1, default=str) + "\n"))
+    return path
 
 
 class PeakMemory(TorchDispatchMode):
@@ -421,8 +435,7 @@ def write_bench(result: dict, path: str | Path) -> tuple[Path, Path]:
     """The JSON at `path` and the Fig. 12-style plot beside it (same name, .png)."""
     from .files import atomic_write
 
-    path = Path(path)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
+    path = write_record(path, result)
     png = path.with_suffix(".png")
     atomic_write(png, lambda tmp: plot_bench(result, tmp))
     return path, png
