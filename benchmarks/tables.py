@@ -237,6 +237,34 @@ def machines(records: list[dict]) -> str:
     return markdown(["machine", "CPU", "instructions", "bf16", "threads", "records"], rows, right=1)
 
 
+def shard_formats(records: list[dict]) -> str:
+    """benchmarks/shard_formats.py: tar (the WebDataset layout) against Parquet shards of the same JPEGs."""
+    rows = []
+    for record in records:
+        if record["benchmark"] == "shard-formats":
+            for row in record["rows"]:
+                rates = (row["write_images_per_s"], row["bytes_per_image"], row["stream_images_per_s"],
+                         row["decode_images_per_s"])  # fmt: skip
+                rows.append([row["format"], label(record["machine"])] + [f"{v:,.0f}" for v in rates])
+    head = ["format", "machine", "write img/s", "bytes / image", "stream img/s", "stream + decode img/s"]
+    return markdown(head, rows, right=4)
+
+
+def scaling(records: list[dict]) -> str:
+    """benchmarks/scaling.py measure: a training step at 224 px in fp32, and its memory."""
+    rows = []
+    for record in records:
+        if record["benchmark"] == "scaling":
+            for row in record["rows"]:
+                rows.append([row["model"], f"{row['params'] / 1e6:.1f}M", label(record["machine"]), str(row["batch"]),
+                             f"{row['images_per_s']:.2f}", f"{row['peak_rss'] / 2**30:.2f} GiB",
+                             f"{row['state_bytes'] / 2**30:.2f} GiB", f"{row['activation_bytes'] / 2**20:.0f} MiB",
+                             f"{row['checkpointed_activation_bytes'] / 2**20:.0f} MiB"])  # fmt: skip
+    head = ["model", "parameters", "machine", "batch", "images/s", "+peak RSS", "training state (16 B/param)",
+            "activations / image", "with checkpointing"]  # fmt: skip
+    return markdown(head, rows, right=6)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
     "inference": inference,
     "training": training,
@@ -246,6 +274,8 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "main-job": main_job,
     "recipe": recipe,
     "transfer": transfer,
+    "shard-formats": shard_formats,
+    "scaling": scaling,
     "machines": machines,
 }
 
