@@ -38,8 +38,8 @@ def documents() -> list[Path]:
 
 
 def load(results: Path = RESULTS) -> list[dict]:
-    """Every record, with the name of its file."""
-    return [{**json.loads(p.read_text()), "file": p.name} for p in sorted(results.glob("*.json"))]
+    """Every record of the folder."""
+    return [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
 
 
 def instructions(machine: dict) -> str:
