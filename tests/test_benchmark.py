@@ -29,6 +29,7 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert result["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert result["benchmark"] == "bench" and result["date"] and result["command"]  # the process's command line
     rows = result["rows"]
     # 2 sizes x 2 batches x 2 precisions x (matmul by torch.mm, and packed where this CPU packs; plain,
     # optimized, train)
@@ -44,7 +45,7 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
     cells = {(r["image_size"], r["batch"], r["precision"], r["kind"], r["mode"]) for r in rows}
     assert (32, 2, "bf16", "inference", "optimized") in cells and (16, 1, "fp32", "train", "plain") in cells
     for r in rows:
-        assert r["gflops_per_s"] > 0
+        assert r["gflops_per_s"] > 0 and len(r["rounds_s"]) == 2  # the seconds of each round, beside the median
         if r["kind"] != "matmul":
             assert r["images_per_s"] > 0 and r["fraction_of_matmul"] > 0 and r["peak_memory_mb"] > 0
     fitted = {(r["image_size"], r["kind"]) for r in result["largest_batch"]}
