@@ -13,7 +13,7 @@ Contenders:
 
 Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same AdamW.
 
-The process keeps freed memory for the next allocation (`vitkit.kernels.retain_freed_memory`, as the `vitkit`
+The process keeps freed memory for the next allocation (`vitkit.machine.retain_freed_memory`, as the `vitkit`
 command does), which speeds every contender alike.
 
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
@@ -42,8 +42,7 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 import vitkit
-from vitkit.benchmark import machine
-from vitkit.inference import bf16_is_native
+from vitkit import machine
 
 
 def markers(block: str | None) -> tuple[str, str]:
@@ -183,14 +182,14 @@ def table(rows: list[dict]) -> str:
 
 
 def header(args: argparse.Namespace, command: str) -> str:
-    m = machine()
+    m = machine.describe()
     import timm
     import transformers
 
-    retained = " Freed memory kept by glibc's malloc (`vitkit.kernels.retain_freed_memory`)." if args.retained else ""
+    retained = " Freed memory kept by glibc's malloc (`vitkit.machine.retain_freed_memory`)." if args.retained else ""
     return (
         f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {m['cpu']} ({platform.machine()}), CPU capability "
-        f"`{m['cpu_capability']}`, bf16 native: {'yes' if bf16_is_native() else 'no (emulated by oneDNN)'}, "
+        f"`{m['cpu_capability']}`, bf16 native: {'yes' if machine.bf16_is_native() else 'no (emulated by oneDNN)'}, "
         f"{m['threads']} threads; torch {torch.__version__}, timm {timm.__version__}, transformers "
         f"{transformers.__version__}, Python {m['python']}. images/s, median of {args.rounds} interleaved rounds "
         f"(each at least {args.min_seconds} s) in one process; the ratio is the median of the rounds' ratios."
@@ -228,7 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.retained = vitkit.kernels.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
+    args.retained = machine.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
     command = "python benchmarks/compare.py " + shlex.join(sys.argv[1:])
     print(header(args, command), flush=True)
     rows = []

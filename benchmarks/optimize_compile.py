@@ -17,7 +17,7 @@ import time
 import torch
 
 import vitkit
-from vitkit import kernels
+from vitkit import kernels, machine
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, Intel {kernels.cpu_is_intel()}, "
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, Intel {machine.cpu_is_intel()}, "
           f"oneDNN layers here {kernels.ONEDNN_FP32}, torch {torch.__version__}")  # fmt: skip
 
     torch.manual_seed(0)

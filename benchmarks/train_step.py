@@ -26,7 +26,7 @@ import vitkit.model as vm
 from vitkit.architectures import new_model
 from vitkit.cli import _mapping
 from vitkit.evaluation import autocast
-from vitkit.inference import bf16_is_native
+from vitkit.machine import bf16_is_native
 from vitkit.recipes import MAIN_JOB_MODEL_ARGS, TrainConfig
 
 WRITTEN_OUT = vm.attend_explicit

@@ -2,7 +2,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch
 import vitkit
 from conftest import SRC, subprocess_env
 from vitkit import inference as opt
-from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine
+from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches
 from vitkit.cli import main
 
 BENCHMARKS = SRC.parent / "benchmarks"
@@ -91,17 +90,6 @@ def test_largest_batch_follows_the_line_through_the_measured_peaks():
              "peak_memory_mb": 100 + 10 * b} for b in (1, 8)]  # fmt: skip
     (fit,) = largest_batches(rows, budget_gb=1)
     assert fit["largest_batch"] == (1024 - 100) // 10 and fit["per_image_mb"] == pytest.approx(10)
-
-
-def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them():
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        pytest.skip("needs Linux's /proc/cpuinfo")
-    if "cpu family" not in first:
-        pytest.skip("needs an x86 /proc/cpuinfo (cpu family, model)")
-    fields = {line.split(":")[0].strip(): line.split(":")[-1].strip() for line in first.splitlines()}
-    assert machine()["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:

@@ -1,17 +1,11 @@
 """`kernels.linear`: fp32 linear layers by oneDNN on AVX-512 CPUs that are not Intel's, the same values and gradients as
-F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too. And
-`retain_freed_memory`, which keeps glibc's malloc from handing each step's memory back to the system."""
-
-import os
-import subprocess
-import sys
+F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SRC
-from vitkit import kernels
+from vitkit import kernels, machine
 from vitkit.architectures import new_model
 
 needs_onednn = pytest.mark.skipif(
@@ -88,9 +82,7 @@ def test_under_torch_compile_wide_layers_run_by_onednn_and_narrow_ones_by_f_line
 
 @pytest.mark.slow  # inductor compiles C++: seconds
 def test_inductor_compiles_a_training_step_around_the_onednn_operator(onednn_calls):
-    from vitkit.inference import compiler_present
-
-    if not compiler_present(torch.device("cpu")):
+    if not machine.compiler_present(torch.device("cpu")):
         pytest.skip("torch.compile needs a C++ compiler and Python's C headers (Debian: g++, python3-dev)")
     torch.manual_seed(0)
     wide = kernels.COMPILED_MIN_FEATURES
@@ -139,37 +131,9 @@ def test_onednn_is_chosen_for_fp32_on_cpus_with_avx512_that_are_not_intels(monke
     if not kernels.library_available("mkl"):
         pytest.skip("this torch build has no MKL, so oneDNN is the only fp32 library")
     assert kernels.ONEDNN_FP32 == kernels.onednn_fp32()  # decided at import, as the probes decide now
-    x86 = kernels.platform.machine().lower() in ("x86_64", "amd64")
+    x86 = machine.x86()
     for intel in (True, False):
         for capability in ("AVX2", "AVX512"):
-            monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
-            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            monkeypatch.setattr(machine, "cpu_is_intel", lambda intel=intel: intel)
+            monkeypatch.setattr(machine, "cpu_capability", lambda c=capability: c)
             assert kernels.onednn_fp32() == (x86 and not intel and capability == "AVX512")
-
-
-# A child process, so that the setting (process-wide, for good) is tried from glibc's defaults: it allocates 20
-# blocks of 4 MiB, writes them and frees them all, five times over, and counts the page faults of the last four.
-FAULTS = """
-import resource, sys, torch
-from vitkit import kernels
-def faults():
-    for i in range(5):
-        if i == 1:
-            start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        blocks = [torch.ones(1 << 20) for _ in range(20)]
-        del blocks
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
-before = faults()
-assert kernels.retain_freed_memory()
-print(before, faults())
-"""
-
-
-@pytest.mark.skipif(kernels.glibc() is None, reason="needs glibc's malloc")
-def test_retained_freed_memory_is_not_faulted_in_again_at_every_step():
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    before, after = map(int, out.stdout.split())
-    pages = 4 * 20 * (4 << 20) // 4096  # the pages the last four rounds write (by default glibc faults them in
-    assert before > pages / 8 and after < pages / 20, (before, after, pages)  # again in one round to all four)

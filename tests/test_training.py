@@ -13,12 +13,12 @@ import vitkit
 from conftest import SMALL_ENCODER as TINY
 from conftest import assert_same_weights, subprocess_env
 from conftest import run_weights as weights
-from vitkit import recipes
+from vitkit import machine
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.distributed import World
+from vitkit.machine import resolve_precision
 from vitkit.model import resample_grid
-from vitkit.inference import compiler_present, resolve_precision
 from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
 from vitkit.runs import read_checkpoint, read_metrics
 from vitkit.training import initial_model, train
@@ -212,30 +212,14 @@ def test_auto_compile_needs_a_long_run_and_the_toolchain_and_stays_off_with_fsdp
     one, two = World(0, 1, cpu), World(0, 2, cpu)
     auto = TrainConfig()
     assert auto.compile is None and auto.precision == "auto"
-    monkeypatch.setattr(recipes, "compiler_present", lambda device: True)
+    monkeypatch.setattr(machine, "compiler_present", lambda device: True)
     assert should_compile(auto, one, AUTO_COMPILE_STEPS) and not should_compile(auto, one, AUTO_COMPILE_STEPS - 1)
     assert not should_compile(auto.replace(grad_checkpointing=True), one, 10**6)
     assert not should_compile(auto.replace(strategy="fsdp"), two, 10**6) and should_compile(auto, two, 10**6)
     assert should_compile(auto.replace(compile=True), one, 1)
     assert not should_compile(auto.replace(compile=False), one, 10**6)
-    monkeypatch.setattr(recipes, "compiler_present", lambda device: False)
+    monkeypatch.setattr(machine, "compiler_present", lambda device: False)
     assert not should_compile(auto, one, 10**6)
-
-
-def test_compiler_present_is_false_without_a_cxx_compiler_or_pythons_headers(monkeypatch, tmp_path):
-    import sysconfig
-
-    import torch._inductor.config as inductor
-
-    cpu = torch.device("cpu")
-    if not compiler_present(cpu):
-        pytest.skip("needs a C++ compiler and Python's headers (python3-dev), so that removing one is seen")
-    with monkeypatch.context() as patch:
-        patch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-        assert compiler_present(cpu) is False
-    real = sysconfig.get_path
-    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(tmp_path) if name == "include" else real(name))
-    assert compiler_present(cpu) is False
 
 
 @pytest.mark.slow

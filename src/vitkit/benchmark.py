@@ -13,7 +13,6 @@ median is kept, so that noise from other work on the machine hits all of them al
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 import warnings
@@ -27,39 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import machine
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
+from .inference import PackedLinear, optimize, packing_available
 from .model import VisionTransformer
-from .inference import PackedLinear, bf16_is_native, optimize, packing_available
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_native_cpu": bf16_is_native("cpu"),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    try:  # the first processor's name, family and model ("AMD EPYC" alone names several generations)
-        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
-        if "model name" in fields:
-            known = "cpu family" in fields and "model" in fields
-            generation = f" (family {fields['cpu family']}, model {fields['model']})" if known else ""
-            info["cpu"] = fields["model name"] + generation
-    except (OSError, ValueError):
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["bf16_native_gpu"] = bf16_is_native("cuda")
-    return info
 
 
 class PeakMemory(TorchDispatchMode):
@@ -262,7 +237,7 @@ def bench(
     result: dict[str, Any] = {
         "model": model if isinstance(model, str) else "custom",
         "config": base.to_dict(),
-        "machine": {**machine(), "device": str(device)},
+        "machine": {**machine.describe(), "device": str(device)},
         "settings": {"rounds": rounds, "min_seconds": min_seconds, "memory_budget_gb": memory_budget_gb},
         "rows": [],
         "largest_batch": [],

@@ -18,9 +18,9 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
-from .kernels import retain_freed_memory
+from .inference import optimize
+from .machine import resolve_precision, retain_freed_memory
 from .model import VisionTransformer
-from .inference import optimize, resolve_precision
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 

@@ -20,57 +20,16 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
-import sysconfig
 import typing
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import LIBRARIES, Linear, avx512, fp32_library, library_available
+from . import machine
+from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
-
-PRECISIONS = ("auto", "fp32", "bf16")
-
-
-def bf16_is_native(device: torch.device | str = "cpu") -> bool:
-    """Whether `device` has bfloat16 arithmetic in hardware (not emulated in fp32)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type == "cpu":
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return False
-
-
-def compiler_present(device: torch.device) -> bool:
-    """Whether torch.compile's default backend can build code here: Triton for CUDA; for a CPU a C++ compiler
-    and Python's C headers (inductor's CPU kernels are Python extensions; Debian ships them in python3-dev)."""
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return has_triton()
-    if not (Path(sysconfig.get_path("include")) / "Python.h").is_file():
-        return False
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        get_cpp_compiler()  # runs `g++ --version` (or $CXX's), raising when there is none
-    except Exception:
-        return False
-    return True
-
-
-def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
-    """ "auto" -> "bf16" where it is native on `device`, else "fp32"; "fp32" and "bf16" stay as they are."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is unknown: choose one of {', '.join(PRECISIONS)}.")
-    if precision == "auto":
-        return "bf16" if bf16_is_native(device) else "fp32"
-    return precision
-
 
 # fp32: MKL's packed GEMM is packed for one number of rows (`_mkl_linear` falls back to `F.linear` for any other), so
 # each row count gets its own packing, made at its first call. Measured against the plain model (ViT-S/16 and
@@ -152,7 +111,7 @@ def packing_available(precision: str) -> bool:
     """Whether this CPU's torch can pack linear weights for `precision` ("fp32": with `fp32_library()`; "bf16":
     oneDNN, and only where bf16 is native)."""
     if precision == "bf16":
-        return library_available("onednn") and bf16_is_native("cpu")
+        return library_available("onednn") and machine.bf16_is_native("cpu")
     return library_available(fp32_library())
 
 
@@ -162,7 +121,7 @@ def packing_pays(precision: str) -> bool:
     the copy packed for oneDNN ran 0.94-1.04x of the plain model, for MKL 0.96-1.00x; a Xeon limited to AVX2 1.03x).
     bf16: wherever bf16 is native, for the number of rows up to `PACKED_MAX_ROWS` and above it with the packing for
     1 row."""
-    return packing_available(precision) and (precision == "bf16" or avx512())
+    return packing_available(precision) and (precision == "bf16" or machine.avx512())
 
 
 def optimize(
@@ -181,8 +140,8 @@ def optimize(
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() takes a model (nn.Module), got {type(model).__name__}.")
     device = next(model.parameters()).device
-    precision = resolve_precision(precision, device)
-    if precision == "bf16" and not bf16_is_native(device):
+    precision = machine.resolve_precision(precision, device)
+    if precision == "bf16" and not machine.bf16_is_native(device):
         warnings.warn(
             f"bf16 is emulated on this {device.type} (no native bf16 instructions): it runs slower than fp32 here. "
             'Use precision="fp32" (or "auto") for speed.',

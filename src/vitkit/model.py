@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import machine
 from .config import ViTConfig
 from .hybrid import ResNetStem
 from .kernels import Linear, linear
@@ -232,7 +233,7 @@ def _cpu_training(q: torch.Tensor) -> bool:
 @functools.cache
 def _cpu_bf16_without_amx() -> bool:
     """AVX-512 BF16 but no AMX. (Where bf16 is emulated, SDPA's kernel, which computes in fp32, stays.)"""
-    return bool(torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
+    return machine.avx512_bf16() and not machine.amx()
 
 
 def attend_sdpa(

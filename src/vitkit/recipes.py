@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import machine
 from .config import check_fields, check_type
 from .distributed import STRATEGIES, World
-from .inference import PRECISIONS, compiler_present  # precision auto: bf16 where native
+from .machine import PRECISIONS
 
 # The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
@@ -86,7 +87,7 @@ def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
         return False
     if config.strategy == "fsdp" and world.size > 1:
         return False
-    return compiler_present(world.device)
+    return machine.compiler_present(world.device)
 
 
 def _field(default: Any, help: str, choices: Any = None) -> Any:
