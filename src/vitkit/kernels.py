@@ -1,4 +1,5 @@
-"""Which CPU library runs a linear layer's fp32 GEMM, and `linear`, the model's linear layer that uses it.
+"""The model's two kernels, beside it: `linear` (which CPU library runs a linear layer's fp32 GEMM) and `attend`
+(which attention kernel runs softmax(q k^T / sqrt(d) + bias) v).
 
 PyTorch runs fp32 matrix products on x86 CPUs with MKL, whose fast code paths are for Intel's CPUs: on others it
 takes a generic one. oneDNN (also inside PyTorch) runs AVX-512 on every vendor's CPUs. So on CPUs with AVX-512 that
@@ -114,3 +115,77 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# Attention. SDPA everywhere, except on a CPU: training under `torch.compile` takes the written-out attention (the
+# compiler fuses its scale, softmax and casts around the two matmuls), and bf16 inference on a CPU with AVX-512 BF16
+# but no AMX takes the same two matmuls a few images at a time (SDPA's bf16 kernel is slow there; with AMX it is
+# fast). Figures in docs/PERFORMANCE.md.
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d): `attend_sdpa`; `attend_explicit` when a CPU trains
+    under `torch.compile`; `attend_bf16_cpu` for bf16 inference on a CPU with AVX-512 BF16 but no AMX."""
+    if torch.compiler.is_compiling() and _cpu_training(q):
+        return attend_explicit(q, k, v, bias, dropout_p)[0]
+    inference = not dropout_p and not _cpu_training(q) and not torch.compiler.is_compiling()
+    if inference and q.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_bf16_without_amx():
+        return attend_bf16_cpu(q, k, v, bias)
+    return attend_sdpa(q, k, v, bias, dropout_p)
+
+
+def _cpu_training(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled()
+
+
+def _cpu_bf16_without_amx() -> bool:
+    """AVX-512 BF16 but no AMX. (Where bf16 is emulated, SDPA's kernel, which computes in fp32, stays.)"""
+    return machine.avx512_bf16() and not machine.amx()
+
+
+def attend_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """`attend` by `F.scaled_dot_product_attention`. Training in bf16 on a CPU, it runs in fp32 and rounds the
+    result to bf16: PyTorch's bf16 attention backward on CPUs is slower than fp32's, casts included."""
+    if q.dtype == torch.bfloat16 and _cpu_training(q):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back to bf16
+            mask = None if bias is None else bias.float()
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+
+
+# attend_bf16_cpu works through the batch in pieces of at most this many attention logits (B*H*N*N), which keep
+# the (N, N) logits in cache.
+BF16_CPU_LOGITS = 2**22
+
+
+def attend_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`attend` in bf16 on a CPU with AVX-512 BF16 but no AMX: two batched bf16 matmuls (fp32 accumulation) and a
+    bf16 softmax (computed in fp32 inside the kernel), a few images at a time. Its logits stay as close to fp32
+    attention's as SDPA's do."""
+    b, h, n, _ = q.shape
+    step = max(1, BF16_CPU_LOGITS // (h * n * k.shape[-2]))
+    q = q * q.shape[-1] ** -0.5
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    for i in range(0, b, step):
+        logits = q[i : i + step] @ k[i : i + step].transpose(-2, -1)  # (b, H, N, N)
+        if bias is not None:  # shared by the batch, or one per image
+            logits = logits + (bias[i : i + step] if bias.dim() == 4 and bias.shape[0] > 1 else bias)
+        torch.matmul(logits.softmax(dim=-1), v[i : i + step], out=out[i : i + step])
+    return out
+
+
+def attend_explicit(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` written out, and the attention probabilities (B, H, N, N): the two matmuls in q's dtype (or
+    autocast's), the softmax in fp32."""
+    logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, H, N, N)
+    if bias is not None:
+        logits = logits + bias
+    probs = logits.float().softmax(dim=-1).to(v.dtype)
+    return (F.dropout(probs, dropout_p) @ v if dropout_p else probs @ v), probs
