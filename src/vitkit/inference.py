@@ -1,7 +1,7 @@
 """Inference-ready models: `optimize(model, precision)` returns a frozen copy that computes the same logits
 faster on the machine at hand.
 
-What it does (each step measured on the machine it was written on; figures in docs/PERFORMANCE.md):
+What it does (each step kept where it paid; figures in docs/PERFORMANCE.md):
 - a copy in eval mode with every parameter frozen, so no autograd state is kept;
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
@@ -12,7 +12,7 @@ What it does (each step measured on the machine it was written on; figures in do
   too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
-bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
+bf16 is only fast where the hardware has it: CUDA GPUs with bf16 units, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere oneDNN emulates it and it is several times slower than fp32: `precision="auto"` then picks fp32,
 and an explicit `"bf16"` warns.
 """
@@ -32,14 +32,11 @@ from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
 
 # fp32: MKL's packed GEMM is packed for one number of rows (`_mkl_linear` falls back to `F.linear` for any other), so
-# each row count gets its own packing, made at its first call. Measured against the plain model (ViT-S/16 and
-# ViT-B/16 on AVX-512, docs/PERFORMANCE.md): 1.23-1.32x at batch 1 (197 rows), 1.09x at batch 8 (1,576 rows),
-# 0.92x at batch 64 (12,608 rows); above `PACKED_MAX_ROWS` the layer calls `F.linear`.
+# each row count gets its own packing, made at its first call. It pays up to a few thousand rows (batch 8 of a
+# 224 px model), not at batch 64; above `PACKED_MAX_ROWS` the layer calls `F.linear`.
 # bf16: oneDNN's packing takes a hint of the number of rows, which sets the blocking of its kernel; any packing
-# serves every size. Packed for the row count instead, against a hint of 1 (whole models, side by side, Emerald
-# Rapids Xeon with AMX): ViT-S/16 1.01-1.18x at batch 8 and 0.99-1.00x at batch 1, ViT-B/16 1.10-1.22x at batch 8
-# and 1.05-1.16x at batch 1; at batch 64 ViT-S/16 1.11x but ViT-B/16 0.97x, so above `PACKED_MAX_ROWS` the hint
-# stays 1. (The first Xeon, earlier: 1.14x against 1.06x over the plain model at batch 1, 1.16x against 1.21x at 8.)
+# serves every size. Packing for the row count beats a hint of 1 up to `PACKED_MAX_ROWS`; above it the hint stays 1.
+# Figures in docs/PERFORMANCE.md.
 PACKED_MAX_ROWS = 2048
 MAX_PACKINGS = 8  # row counts kept per layer (each one a copy of the weight); the oldest is dropped first
 
@@ -116,11 +113,9 @@ def packing_available(precision: str) -> bool:
 
 
 def packing_pays(precision: str) -> bool:
-    """Whether `optimize` packs by default. fp32: where the CPU has AVX-512, up to `PACKED_MAX_ROWS` rows (ViT-S/16
-    and ViT-B/16 ran 1.09-1.32x at batch 1 and 8 there); not with AVX2 only, where it did not pay (an AMD EPYC Zen 3:
-    the copy packed for oneDNN ran 0.94-1.04x of the plain model, for MKL 0.96-1.00x; a Xeon limited to AVX2 1.03x).
-    bf16: wherever bf16 is native, for the number of rows up to `PACKED_MAX_ROWS` and above it with the packing for
-    1 row."""
+    """Whether `optimize` packs by default. fp32: where the CPU has AVX-512, up to `PACKED_MAX_ROWS` rows; not with
+    AVX2 only, where it does not pay. bf16: wherever bf16 is native, for the number of rows up to `PACKED_MAX_ROWS`
+    and above it with the packing for 1 row."""
     return packing_available(precision) and (precision == "bf16" or machine.avx512())
 
 

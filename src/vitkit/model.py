@@ -347,8 +347,7 @@ class VisionTransformer(nn.Module):
     def patch_embed(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> x_p E (B, gh*gw, D): each P x P patch flattened (channel, row, column, the order of the
         Conv2d weight E is stored in) and multiplied by E. This is the strided convolution written as the matrix
-        product it is; its backward is one GEMM, where the convolution's took 3.6 ms a step on the main job's
-        model, 8% of a compiled training step on a CPU."""
+        product it is; its backward is one GEMM, cheaper than the convolution's on a CPU."""
         (b, c, h, w), (ph, pw) = x.shape, self.embedding.stride  # stride = kernel size, no padding
         patches = x.reshape(b, c, h // ph, ph, w // pw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * ph * pw)
         return linear(patches, self.embedding.weight.flatten(1), self.embedding.bias)
@@ -365,7 +364,7 @@ class VisionTransformer(nn.Module):
 
         `pooled_only` with a class token: the last layer computes the class token's row alone, z_L^0 of eq. (4),
         (B, 1, D). Its other rows reach nothing the head reads; skipping them leaves the logits as they are and
-        saves most of a layer (the main job's 4-layer model: 15% of the FLOPs; ViT-B/16: 6%)."""
+        saves most of a layer."""
         biases = self.posemb.attention_bias()
         last = len(self.blocks) - 1 if pooled_only and self.cls_token is not None else None
         for i, block in enumerate(self.blocks):
