@@ -218,6 +218,21 @@ def test_a_nan_loss_stops_the_run_at_its_step_and_the_last_good_checkpoint_stays
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
+def test_the_nonfinite_error_says_what_was_met_and_how_to_go_on_with_or_without_a_checkpoint():
+    from types import SimpleNamespace
+
+    from vitkit.training import nonfinite_error
+
+    state = SimpleNamespace(step=3, saved_step=None, run=SimpleNamespace(path=Path("runs/x")))
+    message = str(nonfinite_error(state, torch.tensor(1.5), torch.tensor(float("inf"))))
+    assert message.startswith("step 3: non-finite gradient (loss 1.5, gradient norm inf); the run stopped")
+    assert "No checkpoint was saved yet: start again with a lower --lr, or pass --nonfinite skip" in message
+    state.saved_step = 2
+    message = str(nonfinite_error(state, torch.tensor(float("nan")), torch.tensor(float("nan"))))
+    assert "non-finite loss (loss nan" in message
+    assert "step 2, is the last good state: continue with `vitkit train --resume runs/x` with a lower --lr" in message
+
+
 @pytest.mark.slow
 def test_nonfinite_skip_skips_the_step_and_counts_it(tmp_path, nan_at_step_5):
     import json

@@ -423,14 +423,7 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     if any_process(not finite, world):
         state.optimizer.zero_grad(set_to_none=True)
         if config.nonfinite == "stop":
-            raise NonFiniteError(
-                f"step {state.step}: non-finite {'loss' if not torch.isfinite(loss) else 'gradient'} "
-                f"(loss {float(loss.detach()):g}, gradient norm {float(norm):g}); the run stopped without applying it. "
-                + (f"The newest checkpoint, step {state.saved_step}, is the last good state: continue with "
-                   f"`vitkit train --resume {state.run.path}` " if state.saved_step is not None else "No checkpoint "
-                   "was saved yet: start again ")
-                + "with a lower --lr, or pass --nonfinite skip to skip such steps."
-            )  # fmt: skip
+            raise nonfinite_error(state, loss, norm)
         state.skipped_steps += 1
     else:
         state.optimizer.step()
@@ -439,6 +432,22 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     state.elapsed += spent
     state.window.add_step(spent)
     return lr
+
+
+def nonfinite_error(state: TrainState, loss: torch.Tensor, norm: torch.Tensor) -> NonFiniteError:
+    """The error that stops a run at a step with a non-finite loss or gradient: what was met, and how to go on."""
+    what = "loss" if not torch.isfinite(loss) else "gradient"
+    if state.saved_step is not None:
+        restart = (
+            f"The newest checkpoint, step {state.saved_step}, is the last good state: continue with "
+            f"`vitkit train --resume {state.run.path}` "
+        )
+    else:
+        restart = "No checkpoint was saved yet: start again "
+    return NonFiniteError(
+        f"step {state.step}: non-finite {what} (loss {float(loss.detach()):g}, gradient norm {float(norm):g}); "
+        f"the run stopped without applying it. {restart}with a lower --lr, or pass --nonfinite skip to skip such steps."
+    )
 
 
 def run_evaluation(state: TrainState, test_set) -> EvalResult:
