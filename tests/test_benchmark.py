@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SRC, subprocess_env
+from helpers import SRC, subprocess_env
 from vitkit import inference as opt
 from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches
 from vitkit.cli import main

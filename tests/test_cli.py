@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import vitkit
-from conftest import subprocess_env
+from helpers import subprocess_env
 from vitkit.cli import main
 from vitkit.data import DATASETS
 from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
@@ -202,7 +202,7 @@ def on_a_terminal(*args: str) -> bytes:
 def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_path):
     """`eval`, `eval --fewshot` and `data pack` run for real: through a pipe (a log) no bar; under a
     pseudo-terminal a bar saying what it does."""
-    from test_shards import write_image_folder
+    from helpers import write_image_folder
 
     args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100"]
     logged = run_vitkit(*args)
@@ -235,7 +235,7 @@ def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, cap
     and `train` (one step) and `eval` run on them; a resume with other workers is refused on the command line."""
     from collections import Counter
 
-    from test_shards import fingerprint, write_image_folder
+    from helpers import fingerprint, write_image_folder
     from vitkit.data import ImageFolder
     from vitkit.shards import ShardedDataset
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SMALL_ENCODER as TINY
-from conftest import assert_same_weights as assert_close
-from conftest import run_weights as weights
-from conftest import subprocess_env
+from helpers import SMALL_ENCODER as TINY
+from helpers import assert_same_weights as assert_close
+from helpers import run_weights as weights
+from helpers import subprocess_env
 from vitkit.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
 from vitkit.recipes import TrainConfig, build_optimizer
 from vitkit.runs import read_checkpoint

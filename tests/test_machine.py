@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SRC
+from helpers import SRC
 from vitkit import machine
 
 

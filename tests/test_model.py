@@ -6,7 +6,7 @@ import torch
 from scipy.ndimage import zoom
 
 import vitkit
-from conftest import perturbed, tiny
+from helpers import perturbed, tiny
 from vitkit.config import POSEMBS, decode_variant
 from vitkit.model import RelativePosemb, VisionTransformer
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny
+from helpers import tiny
 from vitkit.cli import _train_config, build_parser
 from vitkit.recipes import (
     FINETUNE_DEFAULTS,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_training import TINY, shapes_config
+from helpers import SMALL_ENCODER as TINY
+from helpers import shapes_config
 from vitkit.checkpoints import load_checkpoint
 from vitkit.cli import main
 from vitkit.files import atomic_write

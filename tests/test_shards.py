@@ -2,13 +2,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 
-from conftest import SMALL_ENCODER, assert_same_weights, run_weights
+from helpers import SMALL_ENCODER, assert_same_weights, fingerprint, run_weights, write_image_folder
 from vitkit import training
 from vitkit.data import ImageFolder, get_dataset, pack_image_folder
 from vitkit.distributed import World
@@ -16,23 +14,6 @@ from vitkit.recipes import TrainConfig
 from vitkit.runs import read_checkpoint
 from vitkit.shards import ShardedDataset, check_data_order
 from vitkit.training import train
-
-
-def write_image_folder(root, per_class: int = 12, classes=("cat", "dog", "owl")):
-    """PNG and JPEG files of varied sizes, each image unique (its pixels encode class and index)."""
-    rng = np.random.default_rng(0)
-    for c, name in enumerate(classes):
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = rng.integers(0, 256, (10 + i % 3, 12, 3), dtype=np.uint8)
-            pixels[0, 0] = (c, i, 7)
-            suffix = ".jpg" if i % 4 == 0 else ".png"
-            Image.fromarray(pixels).save(root / name / f"{i:03d}{suffix}")
-    return root
-
-
-def fingerprint(image: torch.Tensor, label: int) -> tuple:
-    return (tuple(image.shape), image.numpy().tobytes(), int(label))
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SMALL_ENCODER as TINY
-from conftest import assert_same_weights, subprocess_env
-from conftest import run_weights as weights
+from helpers import SMALL_ENCODER as TINY
+from helpers import assert_same_weights, shapes_config, subprocess_env
+from helpers import run_weights as weights
 from vitkit import machine
 from vitkit.cli import main
 from vitkit.data import get_dataset
@@ -22,17 +22,6 @@ from vitkit.model import resample_grid
 from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
 from vitkit.runs import read_checkpoint, read_metrics
 from vitkit.training import initial_model, train
-
-
-def shapes_config(out_dir, **overrides) -> TrainConfig:
-    """A few-second run on 16-pixel shapes (decoded per sample, through the DataLoader path). One thread: for
-    models this small a second thread only waits, and on a busy machine it makes a run many times slower."""
-    spec = dict(
-        data="shapes", data_args={"size": 48, "image_size": 16}, model="ViT-Ti/8", model_args=dict(TINY),
-        batch_size=8, steps=10, eval_every=0, log_every=1, crop_scale=(0.3, 1.0), out_dir=str(out_dir), threads=1,
-        precision="fp32",  # not "auto": runs are compared at fp32 tolerances on every machine
-    )  # fmt: skip
-    return TrainConfig(**{**spec, **overrides})
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from transformers import ViTConfig as HFConfig
 from transformers import ViTForImageClassification, ViTModel
 
 import vitkit
-from conftest import perturbed, tiny
+from helpers import perturbed, tiny
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,

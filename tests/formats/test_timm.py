@@ -10,7 +10,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
 import vitkit
-from conftest import perturbed
+from helpers import perturbed
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=1, mlp_ratio=2.0, num_classes=5)
