@@ -315,8 +315,17 @@ def largest_batches(rows: list[dict], budget_gb: float | None) -> list[dict]:
         per_image = max((m1 - m0) / (b1 - b0), 1e-9)
         fixed = m0 - per_image * b0
         largest = int((budget_gb * 1024 - fixed) // per_image)
-        out.append({"image_size": key[0], "precision": key[1], "kind": key[2], "mode": key[3],
-                    "largest_batch": max(largest, 0), "per_image_mb": per_image, "fixed_mb": fixed})  # fmt: skip
+        out.append(
+            {
+                "image_size": key[0],
+                "precision": key[1],
+                "kind": key[2],
+                "mode": key[3],
+                "largest_batch": max(largest, 0),
+                "per_image_mb": per_image,
+                "fixed_mb": fixed,
+            }
+        )
     return out
 
 
@@ -332,8 +341,10 @@ def format_bench(result: dict) -> str:
     ]
     for r in result["rows"]:
         if r["kind"] == "matmul":
-            lines.append(f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{'matmul':<10}{r['mode']:<10}"
-                         f"{'':>10}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}")  # fmt: skip
+            lines.append(
+                f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{'matmul':<10}{r['mode']:<10}"
+                f"{'':>10}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}"
+            )
             continue
         mem = "" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
         lines.append(
@@ -341,8 +352,10 @@ def format_bench(result: dict) -> str:
             f"{r['images_per_s']:>10.2f}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}{mem:>9}"
         )
     for r in result["largest_batch"]:
-        lines.append(f"largest batch in {result['settings']['memory_budget_gb']} GB at {r['image_size']} px, "
-                     f"{r['precision']} {r['kind']} ({r['mode']}): {r['largest_batch']}")  # fmt: skip
+        lines.append(
+            f"largest batch in {result['settings']['memory_budget_gb']} GB at {r['image_size']} px, "
+            f"{r['precision']} {r['kind']} ({r['mode']}): {r['largest_batch']}"
+        )
     return "\n".join(lines)
 
 

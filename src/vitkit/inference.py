@@ -150,8 +150,10 @@ def optimize(
     if pack is None:
         pack = device.type == "cpu" and not compile and packing_pays(precision)
     elif pack and not (device.type == "cpu" and packing_available(precision)):
-        raise ValueError(f"pack=True: this {device.type} cannot pack {precision} linear weights (MKL for fp32; oneDNN "
-                         "with native bf16 for bf16); leave pack=None to pack where it can.")  # fmt: skip
+        raise ValueError(
+            f"pack=True: this {device.type} cannot pack {precision} linear weights (MKL for fp32; oneDNN "
+            "with native bf16 for bf16); leave pack=None to pack where it can."
+        )
     if pack:
         _replace_linears(fast)
     if compile:  # freezing: weights become constants the compiler can pack and fold

@@ -53,8 +53,17 @@ MAIN_JOB_MODEL_ARGS = {"hidden_size": 96, "num_layers": 4, "mlp_dim": 192, "num_
 # The experiments' model (the main job's before 0.2): ViT-Ti/4 at 64 wide, 7x7 = 49 patches + class token.
 SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
 # The main job's recipe before 0.2, which the experiments keep, so that their runs and results stay as recorded.
-SMALL_RECIPE = {"model": "ViT-Ti/4", "lr": 2e-3, "weight_decay": 0.05, "betas": (0.9, 0.999), "label_smoothing": 0.0,
-                "epochs": 6.0, "precision": "fp32", "compile": False, "schedule": "cosine"}  # fmt: skip
+SMALL_RECIPE = {
+    "model": "ViT-Ti/4",
+    "lr": 2e-3,
+    "weight_decay": 0.05,
+    "betas": (0.9, 0.999),
+    "label_smoothing": 0.0,
+    "epochs": 6.0,
+    "precision": "fp32",
+    "compile": False,
+    "schedule": "cosine",
+}
 # `compile=None` (auto) compiles a run of at least this many optimiser steps: compiling costs about a minute on a
 # small CPU, which the faster compiled step pays back after a few thousand steps (docs/PERFORMANCE.md).
 AUTO_COMPILE_STEPS = 2000
@@ -201,8 +210,16 @@ class TrainConfig:
             raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1).")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping).")
-        for name, low in (("threads", 0), ("workers", 0), ("eval_every", 0), ("mixup", 0), ("momentum", 0),
-                          ("eval_batch_size", 1), ("log_every", 1), ("image_size", 1)):  # fmt: skip
+        for name, low in (
+            ("threads", 0),
+            ("workers", 0),
+            ("eval_every", 0),
+            ("mixup", 0),
+            ("momentum", 0),
+            ("eval_batch_size", 1),
+            ("log_every", 1),
+            ("image_size", 1),
+        ):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name}={value} is invalid: allowed values are >= {low}.")

@@ -98,8 +98,15 @@ def pack_splits(
         bar.close()
         index_splits[split] = shards
     first = next(iter(splits.values()))
-    index = {"format": FORMAT, "classes": classes, "splits": index_splits, "crop_scale": list(first.crop_scale),
-             "flip": first.flip, "source": source, "seed": seed}  # fmt: skip
+    index = {
+        "format": FORMAT,
+        "classes": classes,
+        "splits": index_splits,
+        "crop_scale": list(first.crop_scale),
+        "flip": first.flip,
+        "source": source,
+        "seed": seed,
+    }
     text = json.dumps(index, indent=1) + "\n"
     atomic_write(out / INDEX, lambda tmp: Path(tmp).write_text(text))
     return index

@@ -69,8 +69,20 @@ from .shards import ShardedDataset, check_data_order
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
 MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]  # (uint8 images, labels)
-ARCHITECTURE_FIELDS = {"hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb",
-                       "in_chans", "hybrid", "representation_size", "qkv_bias", "layer_scale_init"}  # fmt: skip
+ARCHITECTURE_FIELDS = {
+    "hidden_size",
+    "num_layers",
+    "mlp_dim",
+    "num_heads",
+    "patch_size",
+    "classifier",
+    "posemb",
+    "in_chans",
+    "hybrid",
+    "representation_size",
+    "qkv_bias",
+    "layer_scale_init",
+}
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,11 @@ def initial_model(config: TrainConfig, dataset) -> Model:
         # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
         # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
         asked = dataclasses.replace(model.config, **structural)
-        differ = [f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}" for k in sorted(structural)
-                  if getattr(model.config, k) != getattr(asked, k)]  # fmt: skip
+        differ = [
+            f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}"
+            for k in sorted(structural)
+            if getattr(model.config, k) != getattr(asked, k)
+        ]
         if differ:
             raise ValueError(
                 f"checkpoint {config.checkpoint} is another architecture than model_args ask for: {', '.join(differ)} "
@@ -218,8 +233,9 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
         state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
 
     final: EvalResult | None = None
-    bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
-               dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step", dynamic_ncols=True
+    )
     model.train()
     with StopRequest() as stop:
         micro_batches = None
@@ -231,13 +247,16 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
             if state.step % config.log_every == 0 or state.step == plan.total:
                 record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, config.batch_size)
                 run.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}",
-                                img_s=f"{record['images_per_s']:.0f}")  # fmt: skip
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}", img_s=f"{record['images_per_s']:.0f}"
+                )
             if state.step % plan.eval_interval == 0 or state.step == plan.total:
                 final = run_evaluation(state, test_set)
                 if world.is_main:
-                    bar.write(f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
-                              f"top-5 {100 * final.top5:.2f}%")  # fmt: skip
+                    bar.write(
+                        f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
+                        f"top-5 {100 * final.top5:.2f}%"
+                    )
                 save_checkpoint(state)
             if any_process(stop.requested or (stop_after is not None and state.step >= stop_after), world):
                 break
@@ -371,9 +390,15 @@ def epoch_micro_batches(dataset, state: TrainState) -> MicroBatches:
     if isinstance(dataset, ShardedDataset):
         accumulation = config.accumulation_steps
         return dataset.stream(
-            epoch=epoch, seed=config.seed, rank=world.rank, world_size=world.size, workers=config.workers,
-            micro=plan.micro, start=start * accumulation, stop=plan.steps_per_epoch * accumulation,
-        )  # fmt: skip
+            epoch=epoch,
+            seed=config.seed,
+            rank=world.rank,
+            world_size=world.size,
+            workers=config.workers,
+            micro=plan.micro,
+            start=start * accumulation,
+            stop=plan.steps_per_epoch * accumulation,
+        )
     sampler: DistributedSampler[int] = DistributedSampler(
         dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=config.seed, drop_last=True
     )
@@ -403,9 +428,14 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
         if not len(labels):  # every image file of the micro-batch was unreadable (skipped, and counted)
             continue
         x, targets = train_batch(
-            images, labels, draws[m * micro : m * micro + len(labels)], model.config.image_size, state.augment,
-            model.config.num_classes, model.config.in_chans,
-        )  # fmt: skip
+            images,
+            labels,
+            draws[m * micro : m * micro + len(labels)],
+            model.config.image_size,
+            state.augment,
+            model.config.num_classes,
+            model.config.in_chans,
+        )
         x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
         # DDP and FSDP reduce the gradients over processes on the last micro-batch of the step only.
         with gradient_sync(state.net, m == config.accumulation_steps - 1):
@@ -454,11 +484,23 @@ def run_evaluation(state: TrainState, test_set) -> EvalResult:
     """Evaluate on the test split, log it, and keep the model as best.safetensors when its top-1 is the best."""
     config = state.config
     result = evaluate(
-        state.model, test_set, batch_size=config.eval_batch_size, precision=config.precision, world=state.world,
+        state.model,
+        test_set,
+        batch_size=config.eval_batch_size,
+        precision=config.precision,
+        world=state.world,
         workers=config.workers,
-    )  # fmt: skip
-    state.run.log({"split": "test", "step": state.step, "epoch": state.step / state.plan.steps_per_epoch,
-                   "loss": result.loss, "top1": result.top1, "top5": result.top5})  # fmt: skip
+    )
+    state.run.log(
+        {
+            "split": "test",
+            "step": state.step,
+            "epoch": state.step / state.plan.steps_per_epoch,
+            "loss": result.loss,
+            "top1": result.top1,
+            "top5": result.top5,
+        }
+    )
     if result.top1 > state.best_top1:  # the same on every process: the counts are summed over all
         state.best_top1 = result.top1
         save_model(state, "best.safetensors")
@@ -535,9 +577,18 @@ def finish(
         save_model(state, "model.safetensors")
     if not interrupted and state.world.is_main:
         plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
-    result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
-                         state.elapsed, state.wall_before + time.perf_counter() - started, state.skipped_steps,
-                         sum(len(getattr(d, "skipped", ())) for d in datasets))  # fmt: skip
+    result = TrainResult(
+        state.run.path,
+        state.step,
+        state.plan.total,
+        interrupted,
+        final,
+        state.best_top1,
+        state.elapsed,
+        state.wall_before + time.perf_counter() - started,
+        state.skipped_steps,
+        sum(len(getattr(d, "skipped", ())) for d in datasets),
+    )
     if state.world.is_main:
         state.run.write_json("summary.json", summary_dict(result, state.config, state.model))
         print(format_summary(result, state.config, state.model), flush=True)
