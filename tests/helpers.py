@@ -67,10 +67,19 @@ def shapes_config(out_dir, **overrides) -> TrainConfig:
     """A few-second run on 16-pixel shapes (decoded per sample, through the DataLoader path). One thread: for
     models this small a second thread only waits, and on a busy machine it makes a run many times slower."""
     spec = dict(
-        data="shapes", data_args={"size": 48, "image_size": 16}, model="ViT-Ti/8", model_args=dict(SMALL_ENCODER),
-        batch_size=8, steps=10, eval_every=0, log_every=1, crop_scale=(0.3, 1.0), out_dir=str(out_dir), threads=1,
+        data="shapes",
+        data_args={"size": 48, "image_size": 16},
+        model="ViT-Ti/8",
+        model_args=dict(SMALL_ENCODER),
+        batch_size=8,
+        steps=10,
+        eval_every=0,
+        log_every=1,
+        crop_scale=(0.3, 1.0),
+        out_dir=str(out_dir),
+        threads=1,
         precision="fp32",  # not "auto": runs are compared at fp32 tolerances on every machine
-    )  # fmt: skip
+    )
     return TrainConfig(**{**spec, **overrides})
 
 

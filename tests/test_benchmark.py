@@ -33,8 +33,11 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
     matmuls = {p: ("torch.mm", "packed") if opt.packing_available(p) else ("torch.mm",) for p in ("fp32", "bf16")}
     assert len(rows) == 2 * 2 * sum(len(modes) + 3 for modes in matmuls.values())
     for size, batch, precision in [(s, b, p) for s in (16, 32) for b in (1, 2) for p in ("fp32", "bf16")]:
-        same = [r for r in rows if (r["image_size"], r["batch"], r["precision"], r["kind"]) == (size, batch, precision,
-                                                                                               "matmul")]  # fmt: skip
+        same = [
+            r
+            for r in rows
+            if (r["image_size"], r["batch"], r["precision"], r["kind"]) == (size, batch, precision, "matmul")
+        ]
         assert tuple(r["mode"] for r in same) == matmuls[precision]
         # the machine's rate is its faster GEMM: that one reads 1.00, the other below
         assert max(r["fraction_of_matmul"] for r in same) == pytest.approx(1.0)
@@ -86,16 +89,30 @@ def test_peak_memory_counts_the_activations_a_training_step_keeps():
 
 
 def test_largest_batch_follows_the_line_through_the_measured_peaks():
-    rows = [{"image_size": 224, "precision": "fp32", "kind": "inference", "mode": "plain", "batch": b,
-             "peak_memory_mb": 100 + 10 * b} for b in (1, 8)]  # fmt: skip
+    rows = [
+        {
+            "image_size": 224,
+            "precision": "fp32",
+            "kind": "inference",
+            "mode": "plain",
+            "batch": b,
+            "peak_memory_mb": 100 + 10 * b,
+        }
+        for b in (1, 8)
+    ]
     (fit,) = largest_batches(rows, budget_gb=1)
     assert fit["largest_batch"] == (1024 - 100) // 10 and fit["per_image_mb"] == pytest.approx(10)
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     """A script of benchmarks/ as a user runs it, on this worktree's sources, one thread."""
-    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
-                          env=subprocess_env(BENCHMARKS), timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(BENCHMARKS),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

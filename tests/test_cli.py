@@ -27,8 +27,9 @@ def _threads_restored():
 def run_vitkit(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """The real `python -m vitkit` in a subprocess, on this worktree's sources."""
     env = subprocess_env()
-    return subprocess.run([sys.executable, "-m", "vitkit", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "vitkit", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def help_text(command: str, capsys) -> str:
@@ -105,8 +106,9 @@ def test_resume_refuses_by_name_the_options_that_would_change_the_run():
 @pytest.fixture
 def gray_model(tmp_path) -> Path:
     """A tiny untrained 16 px model saved as if trained on grayscale 16 px images of six classes."""
-    model = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=32,
-                                num_heads=2)  # fmt: skip
+    model = vitkit.create_model(
+        "ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=32, num_heads=2
+    )
     model.class_names = [f"class{i}" for i in range(6)]
     model.trained_on = {"data": "fashion-mnist", "grayscale": True, "image_size": [16, 16]}
     vitkit.export(model, tmp_path / "gray.safetensors")

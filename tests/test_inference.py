@@ -142,8 +142,10 @@ def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision, librar
         packed.packings[14] = pack(torch.zeros(40, 24, dtype=dtype), 14)
         torch.testing.assert_close(packed(torch.randn(14, 24, dtype=dtype)), linear.bias.expand(14, 40), rtol=0, atol=0)
         # above the limit: MKL F.linear, nothing packed; oneDNN the packing for 1 row
-        torch.testing.assert_close(packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
-                                   linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)))  # fmt: skip
+        torch.testing.assert_close(
+            packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
+            linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
+        )
         assert list(packed.packings) == ([14] if library == "mkl" else [14, 1])
         for rows in range(1, opt.MAX_PACKINGS + 2):
             packed(torch.randn(rows, 24, dtype=dtype))

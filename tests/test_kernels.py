@@ -113,8 +113,16 @@ def test_exported_graphs_hold_the_standard_linear(onednn_calls, strict):
 @needs_onednn
 def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
     torch.manual_seed(0)
-    model = new_model("ViT-Ti/4", hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, image_size=16,
-                      num_classes=5, representation_size=16)  # fmt: skip
+    model = new_model(
+        "ViT-Ti/4",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        mlp_dim=64,
+        image_size=16,
+        num_classes=5,
+        representation_size=16,
+    )
     x, labels = torch.randn(3, 3, 16, 16), torch.tensor([0, 3, 4])
     grads = {}
     for forced in (False, True):

