@@ -27,9 +27,8 @@ def library_available(library: str) -> bool:
 
 def fp32_library() -> str:
     """The library that runs fp32 linears fastest here: MKL's packed GEMM on Intel CPUs, oneDNN's elsewhere."""
-    return (
-        "mkl" if library_available("mkl") and (machine.cpu_is_intel() or not library_available("onednn")) else "onednn"
-    )
+    mkl = library_available("mkl") and (machine.cpu_is_intel() or not library_available("onednn"))
+    return "mkl" if mkl else "onednn"
 
 
 def onednn_fp32() -> bool:
