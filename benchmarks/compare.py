@@ -13,7 +13,7 @@ Contenders:
 
 Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same AdamW.
 
-The process keeps freed memory for the next allocation (`vitkit.kernels.retain_freed_memory`, as the `vitkit`
+The process keeps freed memory for the next allocation (`vitkit.machine.retain_freed_memory`, as the `vitkit`
 command does), which speeds every contender alike.
 
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 import vitkit
+from vitkit import machine
 from vitkit.benchmark import record_header, write_record
 
 
@@ -217,7 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.retained = vitkit.kernels.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
+    args.retained = machine.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
     result = record(args)
     m = result["machine"]
     where = f"{m['cpu']}, CPU capability {m['cpu_capability']}, bf16 native: {m['bf16_native_cpu']}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import vitkit
-from vitkit import kernels
+from vitkit import kernels, machine
 from vitkit.benchmark import record_header, write_record
 
 
@@ -31,7 +31,7 @@ def main() -> None:
         "--out", type=Path, help="write a JSON record of the results (benchmarks/results/optimize-compile-MACHINE.json)"
     )
     args = parser.parse_args()
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, Intel {kernels.cpu_is_intel()}, "
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, Intel {machine.cpu_is_intel()}, "
           f"oneDNN layers here {kernels.ONEDNN_FP32}, torch {torch.__version__}")  # fmt: skip
 
     torch.manual_seed(0)

@@ -6,9 +6,9 @@
 Four ways to run the same step (forward, cross-entropy, backward, gradient clipping, AdamW):
 - "eager, Adam loop": the model as it runs without `--compile`, with AdamW's per-tensor loop;
 - "eager, fused Adam": the same with AdamW's fused kernel (what `vitkit train` uses);
-- "compiled, SDPA": `torch.compile` with attention left to `vitkit.model.attend_sdpa`, the SDPA kernel (in fp32
+- "compiled, SDPA": `torch.compile` with attention left to `vitkit.kernels.attend_sdpa`, the SDPA kernel (in fp32
   when the step is bf16, as eager training on a CPU does);
-- "compiled, written out": `torch.compile` with `vitkit.model.attend_explicit`, what `vitkit train --compile`
+- "compiled, written out": `torch.compile` with `vitkit.kernels.attend_explicit`, what `vitkit train --compile`
   runs on a CPU.
 Interleaved rounds, medians, ratios to the first; the CPU and its bf16 support are printed with them.
 """
@@ -23,15 +23,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import vitkit.model as vm
+from vitkit import kernels
 from vitkit.architectures import new_model
 from vitkit.benchmark import record_header, write_record
 from vitkit.cli import _mapping
 from vitkit.evaluation import autocast
-from vitkit.inference import bf16_is_native
+from vitkit.machine import bf16_is_native
 from vitkit.recipes import MAIN_JOB_MODEL_ARGS, TrainConfig
 
-WRITTEN_OUT = vm.attend_explicit
+WRITTEN_OUT = kernels.attend_explicit
+
+
+def sdpa(q, k, v, bias, dropout_p):
+    """`kernels.attend_sdpa` in `attend_explicit`'s place (which returns the probabilities too)."""
+    return kernels.attend_sdpa(q, k, v, bias, dropout_p), None
 
 
 def step_runner(args, precision: str, compiled: bool, fused: bool, attention):
@@ -43,7 +48,9 @@ def step_runner(args, precision: str, compiled: bool, fused: bool, attention):
     labels = torch.randint(0, model.config.num_classes, (args.batch,))
 
     def run():
-        vm.attend_explicit = attention  # read when the compiler traces `attend`; the guards keep each variant's graph
+        kernels.attend_explicit = (
+            attention  # read when the compiler traces `attend`; the guards keep each variant's graph
+        )
         with autocast(torch.device("cpu"), precision):
             logits = net(x)
         F.cross_entropy(logits.float(), labels).backward()
@@ -77,7 +84,7 @@ def main() -> None:
         runs = {
             "eager, Adam loop": step_runner(args, precision, False, False, WRITTEN_OUT),
             "eager, fused Adam": step_runner(args, precision, False, True, WRITTEN_OUT),
-            "compiled, SDPA": step_runner(args, precision, True, True, vm.attend_sdpa),
+            "compiled, SDPA": step_runner(args, precision, True, True, sdpa),
             "compiled, written out": step_runner(args, precision, True, True, WRITTEN_OUT),
         }
         for name, run in runs.items():
@@ -100,7 +107,7 @@ def main() -> None:
             rows.append(
                 {"precision": precision, "variant": name, "images_per_s": rate, "ratio": rate / first, "rounds": values}
             )
-    vm.attend_explicit = WRITTEN_OUT
+    kernels.attend_explicit = WRITTEN_OUT
     if args.out:
         settings = {k: v for k, v in vars(args).items() if k != "out"}
         write_record(args.out, {**record_header("train-step"), "settings": settings, "rows": rows})

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import vitkit
-from conftest import tiny
+from helpers import tiny
 from shapes_vit import held_out_shapes, trained_shapes_vit
 from vitkit import analysis as vi
 from vitkit.model import VisionTransformer

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SRC, subprocess_env
+from helpers import SRC, subprocess_env
 from vitkit import inference as opt
-from vitkit.benchmark import CPU_FLAGS, PeakMemory, _state_bytes, largest_batches, machine
+from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches
 from vitkit.cli import main
+from vitkit.machine import CPU_FLAGS, describe
 
 BENCHMARKS = SRC.parent / "benchmarks"
 
@@ -36,8 +37,11 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
     matmuls = {p: ("torch.mm", "packed") if opt.packing_available(p) else ("torch.mm",) for p in ("fp32", "bf16")}
     assert len(rows) == 2 * 2 * sum(len(modes) + 3 for modes in matmuls.values())
     for size, batch, precision in [(s, b, p) for s in (16, 32) for b in (1, 2) for p in ("fp32", "bf16")]:
-        same = [r for r in rows if (r["image_size"], r["batch"], r["precision"], r["kind"]) == (size, batch, precision,
-                                                                                               "matmul")]  # fmt: skip
+        same = [
+            r
+            for r in rows
+            if (r["image_size"], r["batch"], r["precision"], r["kind"]) == (size, batch, precision, "matmul")
+        ]
         assert tuple(r["mode"] for r in same) == matmuls[precision]
         # the machine's rate is its faster GEMM: that one reads 1.00, the other below
         assert max(r["fraction_of_matmul"] for r in same) == pytest.approx(1.0)
@@ -89,8 +93,17 @@ def test_peak_memory_counts_the_activations_a_training_step_keeps():
 
 
 def test_largest_batch_follows_the_line_through_the_measured_peaks():
-    rows = [{"image_size": 224, "precision": "fp32", "kind": "inference", "mode": "plain", "batch": b,
-             "peak_memory_mb": 100 + 10 * b} for b in (1, 8)]  # fmt: skip
+    rows = [
+        {
+            "image_size": 224,
+            "precision": "fp32",
+            "kind": "inference",
+            "mode": "plain",
+            "batch": b,
+            "peak_memory_mb": 100 + 10 * b,
+        }
+        for b in (1, 8)
+    ]
     (fit,) = largest_batches(rows, budget_gb=1)
     assert fit["largest_batch"] == (1024 - 100) // 10 and fit["per_image_mb"] == pytest.approx(10)
 
@@ -103,7 +116,7 @@ def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them
     if "cpu family" not in first:
         pytest.skip("needs an x86 /proc/cpuinfo (cpu family, model)")
     fields = {line.split(":")[0].strip(): line.split(":")[-1].strip() for line in first.splitlines()}
-    info = machine()
+    info = describe()
     assert info["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
     assert (info["family"], info["model"]) == (int(fields["cpu family"]), int(fields["model"]))
     assert info["flags"] == [f for f in CPU_FLAGS if f in fields["flags"].split()]
@@ -111,8 +124,13 @@ def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     """A script of benchmarks/ as a user runs it, on this worktree's sources, one thread."""
-    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
-                          env=subprocess_env(BENCHMARKS), timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(BENCHMARKS),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -145,7 +163,7 @@ def test_the_comparison_script_writes_a_record_with_the_machine_every_round_and_
     run_script("compare.py", "--models", "ViT-Ti/16", "--batches", "1", "--precisions", "fp32", "--rounds", "3",
                "--min-seconds", "0", "--no-compile", "--out", str(out))  # fmt: skip
     record = json.loads(out.read_text())
-    assert record["benchmark"] == "compare" and record["machine"]["cpu"] == machine()["cpu"]
+    assert record["benchmark"] == "compare" and record["machine"]["cpu"] == describe()["cpu"]
     assert record["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert record["command"].startswith("python benchmarks/compare.py --models ViT-Ti/16")
     assert record["settings"]["rounds"] == 3 and record["date"] and record["versions"]["timm"]

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 import vitkit
-from conftest import tiny
+from helpers import tiny
 from vitkit.cli import main
 from vitkit.formats import detect_format
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import vitkit
-from conftest import subprocess_env
+from helpers import subprocess_env
 from vitkit.cli import main
 from vitkit.data import DATASETS
 from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
@@ -27,8 +27,9 @@ def _threads_restored():
 def run_vitkit(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """The real `python -m vitkit` in a subprocess, on this worktree's sources."""
     env = subprocess_env()
-    return subprocess.run([sys.executable, "-m", "vitkit", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "vitkit", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def help_text(command: str, capsys) -> str:
@@ -105,8 +106,9 @@ def test_resume_refuses_by_name_the_options_that_would_change_the_run():
 @pytest.fixture
 def gray_model(tmp_path) -> Path:
     """A tiny untrained 16 px model saved as if trained on grayscale 16 px images of six classes."""
-    model = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=32,
-                                num_heads=2)  # fmt: skip
+    model = vitkit.create_model(
+        "ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=32, num_heads=2
+    )
     model.class_names = [f"class{i}" for i in range(6)]
     model.trained_on = {"data": "fashion-mnist", "grayscale": True, "image_size": [16, 16]}
     vitkit.export(model, tmp_path / "gray.safetensors")
@@ -202,7 +204,7 @@ def on_a_terminal(*args: str) -> bytes:
 def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_path):
     """`eval`, `eval --fewshot` and `data pack` run for real: through a pipe (a log) no bar; under a
     pseudo-terminal a bar saying what it does."""
-    from test_shards import write_image_folder
+    from helpers import write_image_folder
 
     args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100"]
     logged = run_vitkit(*args)
@@ -235,7 +237,7 @@ def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, cap
     and `train` (one step) and `eval` run on them; a resume with other workers is refused on the command line."""
     from collections import Counter
 
-    from test_shards import fingerprint, write_image_folder
+    from helpers import fingerprint, write_image_folder
     from vitkit.data import ImageFolder
     from vitkit.shards import ShardedDataset
 

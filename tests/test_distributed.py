@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SMALL_ENCODER as TINY
-from conftest import assert_same_weights as assert_close
-from conftest import run_weights as weights
-from conftest import subprocess_env
+from helpers import SMALL_ENCODER as TINY
+from helpers import assert_same_weights as assert_close
+from helpers import run_weights as weights
+from helpers import subprocess_env
 from vitkit.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
 from vitkit.recipes import TrainConfig, build_optimizer
 from vitkit.runs import read_checkpoint
@@ -24,10 +24,22 @@ ENV = subprocess_env()
 # hits, so that the gradient norm over shards is part of what is compared. 47 test images in batches of 23: one
 # process evaluates 2 batches, the other 1, which a sharded model must make up for with an empty forward.
 RECIPE = dict(
-    data="shapes", data_args={"size": 47, "image_size": 16}, model="ViT-Ti/8", model_args=dict(TINY),
-    batch_size=8, steps=6, eval_every=0, eval_batch_size=23, log_every=2, crop_scale=(0.3, 1.0), threads=1,
-    optimizer="sgd", lr=0.1, grad_clip=0.05, precision="fp32",  # fp32: the runs are compared at fp32 tolerances
-)  # fmt: skip
+    data="shapes",
+    data_args={"size": 47, "image_size": 16},
+    model="ViT-Ti/8",
+    model_args=dict(TINY),
+    batch_size=8,
+    steps=6,
+    eval_every=0,
+    eval_batch_size=23,
+    log_every=2,
+    crop_scale=(0.3, 1.0),
+    threads=1,
+    optimizer="sgd",
+    lr=0.1,
+    grad_clip=0.05,
+    precision="fp32",  # fp32: the runs are compared at fp32 tolerances
+)
 
 
 def cli_args(out_dir, **overrides) -> list[str]:
@@ -168,7 +180,7 @@ def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_as_one(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     for node in nodes:

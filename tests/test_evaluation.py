@@ -32,8 +32,9 @@ def _split(seed: int, per_class: int, classes: int = 3) -> ImageArrayDataset:
 
 @pytest.fixture
 def tiny_vit():
-    return vitkit.create_model("ViT-Ti/4", image_size=8, in_chans=1, num_classes=3, hidden_size=16, num_layers=1,
-                               mlp_dim=16, num_heads=2).eval()  # fmt: skip
+    return vitkit.create_model(
+        "ViT-Ti/4", image_size=8, in_chans=1, num_classes=3, hidden_size=16, num_layers=1, mlp_dim=16, num_heads=2
+    ).eval()
 
 
 def test_fewshot_with_every_training_image_equals_numpy_on_the_features(tiny_vit):
@@ -67,8 +68,9 @@ def test_fewshot_refuses_more_shots_than_the_rarest_class_has(tiny_vit):
 def test_cli_eval_fewshot_prints_each_shot(tmp_path, capsys, tiny_vit):
     from vitkit.cli import main
 
-    model = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=16,
-                                num_heads=2)  # fmt: skip
+    model = vitkit.create_model(
+        "ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=16, num_heads=2
+    )
     vitkit.export(model, tmp_path / "m.safetensors")
     args = ["eval", "--checkpoint", str(tmp_path / "m.safetensors"), "--data", "shapes", "--fewshot", "1,2"]
     assert main([*args, "--draws", "2"]) == 0

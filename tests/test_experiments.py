@@ -74,8 +74,17 @@ def test_from_scratch_runs_build_the_checkpoints_own_architecture(tmp_path):
     from vitkit.recipes import TrainConfig
     from vitkit.training import initial_model
 
-    pre = vitkit.create_model("ViT-S/14", image_size=28, num_classes=0, hidden_size=32, num_layers=1, mlp_dim=32,
-                              num_heads=2, layer_scale_init=1e-5, posemb="learn2d")  # fmt: skip
+    pre = vitkit.create_model(
+        "ViT-S/14",
+        image_size=28,
+        num_classes=0,
+        hidden_size=32,
+        num_layers=1,
+        mlp_dim=32,
+        num_heads=2,
+        layer_scale_init=1e-5,
+        posemb="learn2d",
+    )
     vitkit.export(pre, tmp_path / "pre.safetensors")
     arch = _checkpoint_architecture(Setting(PRESETS["tiny"], 1, str(tmp_path / "pre.safetensors")))
     scratch = initial_model(TrainConfig(data="shapes", image_size=28, **arch), get_dataset("shapes", size=8))

@@ -26,8 +26,15 @@ from vitkit.files import read_safetensors
 TINY = dict(image_size=16, hidden_size=16, num_layers=1, mlp_dim=32, num_heads=2, num_classes=3)
 # Where `vitkit.export` puts a sample of each format ("" = a directory). A new format module in the registry
 # without an entry here fails `test_every_registered_format_has_a_fuzz_sample`, so it cannot escape the fuzzing.
-SAMPLES = [("vitkit", "model.safetensors"), ("timm", "timm.safetensors"), ("timm", "timm.pth"), ("npz", "official.npz"),
-           ("hf", "hf"), ("dinov2", "dinov2"), ("onnx", "model.onnx")]  # fmt: skip
+SAMPLES = [
+    ("vitkit", "model.safetensors"),
+    ("timm", "timm.safetensors"),
+    ("timm", "timm.pth"),
+    ("npz", "official.npz"),
+    ("hf", "hf"),
+    ("dinov2", "dinov2"),
+    ("onnx", "model.onnx"),
+]
 
 
 FUZZ_CASES = 500  # per sample file: 3,500 in all
@@ -224,8 +231,9 @@ def onnx_graph(path: Path, initializers: list) -> Path:
     helper, T = onnx.helper, onnx.TensorProto
     conv = helper.make_node("Conv", ["pixel_values", "W", "B"], ["y"], kernel_shape=[8, 8], strides=[8, 8])
     image = helper.make_tensor_value_info("pixel_values", T.FLOAT, [1, 3, 16, 16])
-    graph = helper.make_graph([conv], "g", [image], [helper.make_tensor_value_info("y", T.FLOAT, None)],
-                              initializer=initializers)  # fmt: skip
+    graph = helper.make_graph(
+        [conv], "g", [image], [helper.make_tensor_value_info("y", T.FLOAT, None)], initializer=initializers
+    )
     onnx.save(helper.make_model(graph), str(path))
     return path
 
@@ -250,14 +258,18 @@ ONNX_WEIGHT = [16, 3, 8, 8]  # the patch Conv's kernel: 12,288 bytes of float32
     "defect, message",
     [
         ("int64", r"wrong\.onnx \[W\]: weights of dtype int64; a ViT's weights are floating point"),
-        ("shape", r"wrong\.onnx \[W\]: the shape \[2147483648, 2147483648, 8, 8\] claims [\d,]+ bytes; the file "
-                  r"holds 64"),
+        (
+            "shape",
+            r"wrong\.onnx \[W\]: the shape \[2147483648, 2147483648, 8, 8\] claims [\d,]+ bytes; the file "
+            r"holds 64",
+        ),
         ("negative", r"wrong\.onnx \[W\]: the shape \[-1\] has a negative dimension"),
         ("duplicate", r"wrong\.onnx \[B\]: the graph holds two initializers of this name"),
     ],
-)  # fmt: skip
-def test_onnx_initializer_of_a_wrong_dtype_absurd_shape_or_duplicate_name_is_refused_naming_it(tmp_path, defect,
-                                                                                                message):  # fmt: skip
+)
+def test_onnx_initializer_of_a_wrong_dtype_absurd_shape_or_duplicate_name_is_refused_naming_it(
+    tmp_path, defect, message
+):
     bias = onnx_tensor("B", [16], bytes(64))
     weight = {
         "int64": onnx_tensor("W", ONNX_WEIGHT, bytes(8 * 3072), dtype=7),
@@ -285,8 +297,9 @@ def test_onnx_external_data_outside_the_directory_or_beyond_its_file_is_refused(
     (tmp_path / "outside.bin").write_bytes(bytes(2**14))  # a file that is there, but not the model's to read
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "w.bin").write_bytes(bytes(1024))
-    weight = onnx_tensor("W", ONNX_WEIGHT if "length" not in external else [external["length"] // 4], None,
-                         external=external)  # fmt: skip
+    weight = onnx_tensor(
+        "W", ONNX_WEIGHT if "length" not in external else [external["length"] // 4], None, external=external
+    )
     path = onnx_graph(tmp_path / "model" / "ext.onnx", [weight, onnx_tensor("B", [16], bytes(64))])
     with refused_without_allocating(rf"ext\.onnx \[W\]: .*{message}"):
         vitkit.load_checkpoint(path)
@@ -318,8 +331,11 @@ def test_non_finite_weights_are_an_error_naming_the_tensors_unless_allowed(tmp_p
         model.head.bias[1] = float("inf")
     path = tmp_path / f"{format}.safetensors"
     vitkit.export(model, path, format=format)
-    with pytest.raises(CheckpointError, match=r"non-finite weights .* in blocks\.0\.mlp\.fc1\.weight \(1 values\), "
-                       r"head\.bias \(1 values\).*allow_nonfinite=True"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"non-finite weights .* in blocks\.0\.mlp\.fc1\.weight \(1 values\), "
+        r"head\.bias \(1 values\).*allow_nonfinite=True",
+    ):
         vitkit.load_checkpoint(path)
     with pytest.warns(UserWarning, match=r"non-finite weights .* blocks\.0\.mlp\.fc1\.weight"):
         loaded = vitkit.load_checkpoint(path, allow_nonfinite=True)
@@ -331,8 +347,15 @@ def test_non_finite_weights_are_an_error_naming_the_tensors_unless_allowed(tmp_p
 
 def tiny_dinov2():
     transformers = pytest.importorskip("transformers", reason="DINOv2 samples are made with transformers (dev extra)")
-    config = transformers.Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2,
-                                       image_size=16, patch_size=8, layerscale_value=0.5)  # fmt: skip
+    config = transformers.Dinov2Config(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        mlp_ratio=2,
+        image_size=16,
+        patch_size=8,
+        layerscale_value=0.5,
+    )
     return transformers.Dinov2Model(config).eval()
 
 
@@ -345,8 +368,14 @@ def sample(format: str, name: str, directory: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(tiny_dinov2(), (torch.randn(1, 3, 16, 16),), path, input_names=["pixel_values"],
-                              opset_version=14, dynamo=False)  # fmt: skip
+            torch.onnx.export(
+                tiny_dinov2(),
+                (torch.randn(1, 3, 16, 16),),
+                path,
+                input_names=["pixel_values"],
+                opset_version=14,
+                dynamo=False,
+            )
     elif path.suffix == ".pth":  # timm's pickled state dict, read weights-only
         vitkit.export(tiny_model(), path.with_suffix(".safetensors"), format=format)
         torch.save(read_safetensors(path.with_suffix(".safetensors"))[0], path)
@@ -410,8 +439,9 @@ def test_fuzzed_checkpoints_raise_only_checkpoint_error(tmp_path_factory, format
     originals = {p.relative_to(original.parent): p.read_bytes() for p in files_of(original)}
     outcomes = {"loaded": 0, "refused": 0}
 
-    @settings(max_examples=FUZZ_CASES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=FUZZ_CASES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(data=st.data())
     def check(data):
         target = data.draw(st.sampled_from(sorted(originals)), label="file")

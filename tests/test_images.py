@@ -125,8 +125,9 @@ def test_image_folder_skips_bad_files_with_one_warning_each_and_counts_them(tmp_
         ["empty.jpg", "notes.png", "bomb.png"]
     )  # the header checks; the truncated file is found when decoded
     assert len(dataset) == 2 * 7 + 1  # 7 usable files in each class, and the truncated one of `a`
-    model = vitkit.create_model("ViT-Ti/4", image_size=8, hidden_size=8, num_layers=1, mlp_dim=8, num_heads=2,
-                                num_classes=2)  # fmt: skip
+    model = vitkit.create_model(
+        "ViT-Ti/4", image_size=8, hidden_size=8, num_layers=1, mlp_dim=8, num_heads=2, num_classes=2
+    )
     with pytest.warns(SkippedImageWarning, match=r"truncated\.jpg") as caught:
         result = evaluate(model, dataset, batch_size=4)
         evaluate(model, dataset, batch_size=4)  # a second pass warns no more
@@ -147,8 +148,9 @@ def test_image_folder_strict_fails_at_the_first_bad_file(tmp_path):
 
 @pytest.fixture
 def tiny_checkpoint(tmp_path) -> Path:
-    model = vitkit.create_model("ViT-Ti/4", image_size=8, hidden_size=8, num_layers=1, mlp_dim=8, num_heads=2,
-                                num_classes=2)  # fmt: skip
+    model = vitkit.create_model(
+        "ViT-Ti/4", image_size=8, hidden_size=8, num_layers=1, mlp_dim=8, num_heads=2, num_classes=2
+    )
     model.class_names = ["a", "b"]
     vitkit.export(model, tmp_path / "m.safetensors")
     return tmp_path / "m.safetensors"
@@ -210,9 +212,17 @@ def test_training_on_an_image_folder_skips_bad_files_and_counts_them_in_the_summ
     from vitkit.training import train
 
     root = image_folder(tmp_path / "folder")
-    spec = dict(data="imagefolder", data_dir=str(root), image_size=16, model="ViT-Ti/8", batch_size=4, steps=6,
-                model_args={"hidden_size": 8, "num_layers": 1, "mlp_dim": 8, "num_heads": 2}, threads=1,
-                out_dir=str(tmp_path / "run"))  # fmt: skip
+    spec = dict(
+        data="imagefolder",
+        data_dir=str(root),
+        image_size=16,
+        model="ViT-Ti/8",
+        batch_size=4,
+        steps=6,
+        model_args={"hidden_size": 8, "num_layers": 1, "mlp_dim": 8, "num_heads": 2},
+        threads=1,
+        out_dir=str(tmp_path / "run"),
+    )
     with pytest.warns(SkippedImageWarning):
         result = train(TrainConfig(**spec))
     assert result.step == 6 and result.final.count == 14

@@ -8,7 +8,7 @@ import torch
 
 import vitkit
 from vitkit import inference as opt
-from vitkit import kernels
+from vitkit import machine
 from vitkit.inference import PackedLinear, optimize
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "mlp_dim": 64, "num_heads": 4, "num_classes": 10, "image_size": 32}
@@ -51,7 +51,7 @@ def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
 
 def test_fp32_packs_by_default_only_on_cpus_with_avx512_and_bf16_wherever_it_can(monkeypatch):
     for avx512 in (True, False):
-        monkeypatch.setattr(opt, "avx512", lambda avx512=avx512: avx512)
+        monkeypatch.setattr(machine, "avx512", lambda avx512=avx512: avx512)
         assert opt.packing_pays("fp32") == (avx512 and opt.packing_available("fp32"))
         assert opt.packing_pays("bf16") == opt.packing_available("bf16")
 
@@ -80,7 +80,7 @@ def test_bf16_packed_linear_equals_f_linear_in_bf16_for_any_leading_shape():
 def test_bf16_fast_path_is_within_bf16_rounding_of_the_plain_model():
     model = small_model()
     x = torch.randn(4, 3, 32, 32)
-    with pytest.warns(UserWarning, match="emulated") if not opt.bf16_is_native() else contextlib.nullcontext():
+    with pytest.warns(UserWarning, match="emulated") if not machine.bf16_is_native() else contextlib.nullcontext():
         fast = optimize(model, "bf16")
     assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
     assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_pays("bf16")
@@ -142,8 +142,10 @@ def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision, librar
         packed.packings[14] = pack(torch.zeros(40, 24, dtype=dtype), 14)
         torch.testing.assert_close(packed(torch.randn(14, 24, dtype=dtype)), linear.bias.expand(14, 40), rtol=0, atol=0)
         # above the limit: MKL F.linear, nothing packed; oneDNN the packing for 1 row
-        torch.testing.assert_close(packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
-                                   linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)))  # fmt: skip
+        torch.testing.assert_close(
+            packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
+            linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
+        )
         assert list(packed.packings) == ([14] if library == "mkl" else [14, 1])
         for rows in range(1, opt.MAX_PACKINGS + 2):
             packed(torch.randn(rows, 24, dtype=dtype))
@@ -170,7 +172,7 @@ def test_fp32_library_is_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch):
     if not both:
         pytest.skip("this torch build lacks MKL or oneDNN, so there is no choice to make")
     for intel, library in ((True, "mkl"), (False, "onednn")):
-        monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
+        monkeypatch.setattr(machine, "cpu_is_intel", lambda intel=intel: intel)
         assert opt.fp32_library() == library
         assert PackedLinear(torch.nn.Linear(4, 4)).library == library
     assert PackedLinear(torch.nn.Linear(4, 4).to(torch.bfloat16)).library == "onednn"
@@ -197,16 +199,8 @@ def test_the_mlps_gelu_moves_into_the_packed_first_layer_and_copies_repack(preci
         torch.testing.assert_close(twin(x), y, rtol=0, atol=0)
 
 
-def test_auto_precision_picks_bf16_only_where_it_is_native(monkeypatch):
-    monkeypatch.setattr(opt, "bf16_is_native", lambda device="cpu": False)
-    assert opt.resolve_precision("auto") == "fp32"
-    monkeypatch.setattr(opt, "bf16_is_native", lambda device="cpu": True)
-    assert opt.resolve_precision("auto") == "bf16"
-    assert opt.resolve_precision("fp32") == "fp32"
-
-
 def test_emulated_bf16_warns_and_unknown_precision_says_what_to_use(monkeypatch):
-    monkeypatch.setattr(opt, "bf16_is_native", lambda device="cpu": False)
+    monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu": False)
     with pytest.warns(UserWarning, match="slower than fp32"):
         optimize(small_model(), "bf16")
     with pytest.raises(ValueError, match="'fp16' is unknown: choose one of auto, fp32, bf16"):
@@ -240,7 +234,7 @@ def test_predict_and_eval_give_the_same_answers_with_and_without_optimize(tmp_pa
         assert main(["eval", "--checkpoint", str(path), "--data", "shapes", "--batch-size", "50", *flags]) == 0
         answers.append(capsys.readouterr().out)
     assert "class" in answers[0] and "top-1" in answers[0]
-    if opt.resolve_precision("auto") == "fp32":  # the optimized copy computes the same float32 logits
+    if machine.resolve_precision("auto") == "fp32":  # the optimized copy computes the same float32 logits
         assert answers[0] == answers[1]
     else:  # bf16 is native here, so the default path runs in bf16: the same answers to bf16 rounding
         optimized, plain = (percentages(a) for a in answers)

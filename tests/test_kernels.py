@@ -1,17 +1,12 @@
 """`kernels.linear`: fp32 linear layers by oneDNN on AVX-512 CPUs that are not Intel's, the same values and gradients as
 F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too. And
-`retain_freed_memory`, which keeps glibc's malloc from handing each step's memory back to the system."""
-
-import os
-import subprocess
-import sys
+`kernels.attend`'s paths, each checked against SDPA in fp32."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SRC
-from vitkit import kernels
+from vitkit import kernels, machine
 from vitkit.architectures import new_model
 
 needs_onednn = pytest.mark.skipif(
@@ -88,9 +83,7 @@ def test_under_torch_compile_wide_layers_run_by_onednn_and_narrow_ones_by_f_line
 
 @pytest.mark.slow  # inductor compiles C++: seconds
 def test_inductor_compiles_a_training_step_around_the_onednn_operator(onednn_calls):
-    from vitkit.inference import compiler_present
-
-    if not compiler_present(torch.device("cpu")):
+    if not machine.compiler_present(torch.device("cpu")):
         pytest.skip("torch.compile needs a C++ compiler and Python's C headers (Debian: g++, python3-dev)")
     torch.manual_seed(0)
     wide = kernels.COMPILED_MIN_FEATURES
@@ -120,8 +113,16 @@ def test_exported_graphs_hold_the_standard_linear(onednn_calls, strict):
 @needs_onednn
 def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
     torch.manual_seed(0)
-    model = new_model("ViT-Ti/4", hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, image_size=16,
-                      num_classes=5, representation_size=16)  # fmt: skip
+    model = new_model(
+        "ViT-Ti/4",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        mlp_dim=64,
+        image_size=16,
+        num_classes=5,
+        representation_size=16,
+    )
     x, labels = torch.randn(3, 3, 16, 16), torch.tensor([0, 3, 4])
     grads = {}
     for forced in (False, True):
@@ -139,37 +140,85 @@ def test_onednn_is_chosen_for_fp32_on_cpus_with_avx512_that_are_not_intels(monke
     if not kernels.library_available("mkl"):
         pytest.skip("this torch build has no MKL, so oneDNN is the only fp32 library")
     assert kernels.ONEDNN_FP32 == kernels.onednn_fp32()  # decided at import, as the probes decide now
-    x86 = kernels.platform.machine().lower() in ("x86_64", "amd64")
+    x86 = machine.x86()
     for intel in (True, False):
         for capability in ("AVX2", "AVX512"):
-            monkeypatch.setattr(kernels, "cpu_is_intel", lambda intel=intel: intel)
-            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            monkeypatch.setattr(machine, "cpu_is_intel", lambda intel=intel: intel)
+            monkeypatch.setattr(machine, "cpu_capability", lambda c=capability: c)
             assert kernels.onednn_fp32() == (x86 and not intel and capability == "AVX512")
 
 
-# A child process, so that the setting (process-wide, for good) is tried from glibc's defaults: it allocates 20
-# blocks of 4 MiB, writes them and frees them all, five times over, and counts the page faults of the last four.
-FAULTS = """
-import resource, sys, torch
-from vitkit import kernels
-def faults():
-    for i in range(5):
-        if i == 1:
-            start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        blocks = [torch.ones(1 << 20) for _ in range(20)]
-        del blocks
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
-before = faults()
-assert kernels.retain_freed_memory()
-print(before, faults())
-"""
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_training_attention_on_cpu_runs_in_fp32_and_matches_it(with_bias):
+    # Training in bf16 on a CPU, `attend` computes in fp32 (PyTorch's bf16 attention backward is slow there):
+    # its output is fp32 attention of the bf16 inputs, rounded to bf16, and its gradients are fp32's, rounded.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    bias = torch.randn(3, 10, 10, generator=g).bfloat16() if with_bias else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = kernels.attend(q, k, v, bias, 0.0)
+    assert y.dtype == torch.bfloat16
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    mask = None if bias is None else bias.float()
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask)
+    assert torch.equal(y.float(), ref.bfloat16().float())  # computed in fp32, then rounded once
+    grad = torch.randn(y.shape, generator=g)
+    y.backward(grad.bfloat16())
+    ref.backward(grad.bfloat16().float())
+    for t, t32 in ((q, q32), (k, k32), (v, v32)):
+        assert t.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(t.grad.float(), t32.grad, atol=0, rtol=2**-7)  # bf16 rounding of fp32's gradient
+    with torch.no_grad():  # inference keeps bf16 (fast in the forward pass)
+        assert kernels.attend(q, k, v, bias, 0.0).dtype == torch.bfloat16
 
 
-@pytest.mark.skipif(kernels.glibc() is None, reason="needs glibc's malloc")
-def test_retained_freed_memory_is_not_faulted_in_again_at_every_step():
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    before, after = map(int, out.stdout.split())
-    pages = 4 * 20 * (4 << 20) // 4096  # the pages the last four rounds write (by default glibc faults them in
-    assert before > pages / 8 and after < pages / 20, (before, after, pages)  # again in one round to all four)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_training_attention_on_cpu_is_written_out_and_matches_sdpa(monkeypatch, dtype):
+    # Under torch.compile, CPU training takes `attend_explicit` (the compiler fuses it; faster than compiled SDPA).
+    # Compiling takes seconds, so the compiler's flag is set by hand: the same branch, the same arithmetic.
+    explicit, calls = kernels.attend_explicit, []
+    monkeypatch.setattr(kernels, "attend_explicit", lambda *args: calls.append(1) or explicit(*args))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    bias = torch.randn(3, 10, 10, generator=g).to(dtype)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    y = kernels.attend(q, k, v, bias, 0.0)
+    assert calls == [1] and y.dtype == dtype
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=bias.float())
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # bf16 matmuls
+    torch.testing.assert_close(y.float(), ref, **tol)
+    grad = torch.randn(y.shape, generator=g)
+    y.backward(grad.to(dtype))
+    ref.backward(grad.to(dtype).float())
+    for t, t32 in ((q, q32), (k, k32), (v, v32)):
+        torch.testing.assert_close(t.grad.float(), t32.grad, **tol)
+    with torch.no_grad():  # inference keeps the SDPA kernel
+        kernels.attend(q, k, v, bias, 0.0)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_inference_attention_on_a_cpu_without_amx_is_written_out_piecewise_and_matches_sdpa(monkeypatch, amx):
+    # With AVX-512 BF16 but no AMX, bf16 inference attention is two batched matmuls and a bf16 softmax, a few images
+    # at a time (SDPA's bf16 kernel is slow there); with AMX it stays SDPA. Both checked on every machine.
+    written, calls = kernels.attend_bf16_cpu, []
+    monkeypatch.setattr(kernels, "attend_bf16_cpu", lambda *args: calls.append(1) or written(*args))
+    monkeypatch.setattr(kernels, "_cpu_bf16_without_amx", lambda: not amx)
+    monkeypatch.setattr(kernels, "BF16_CPU_LOGITS", 2 * 3 * 10 * 10)  # pieces of 2 images: 5 images in 3 pieces
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 3, 10, 8, generator=g).bfloat16() for _ in range(3))
+    bias = torch.randn(3, 10, 10, generator=g).bfloat16()
+    per_image = torch.randn(5, 3, 10, 10, generator=g).bfloat16()  # a mask of each image's own
+    with torch.no_grad():
+        for b in (None, bias, per_image):
+            mask = None if b is None else b.float()
+            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+            y = kernels.attend(q, k, v, b, 0.0)
+            assert y.dtype == torch.bfloat16 and y.shape == q.shape
+            torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)  # bf16 matmuls and probabilities
+        assert calls == ([] if amx else [1, 1, 1])
+        kernels.attend(q.float(), k.float(), v.float(), None, 0.0)  # fp32 keeps SDPA
+        assert len(calls) == (0 if amx else 3)
+    kernels.attend(q.requires_grad_(), k, v, bias, 0.0)  # training keeps its own path
+    assert len(calls) == (0 if amx else 3)

@@ -6,7 +6,7 @@ import torch
 from scipy.ndimage import zoom
 
 import vitkit
-from conftest import perturbed, tiny
+from helpers import perturbed, tiny
 from vitkit.config import POSEMBS, decode_variant
 from vitkit.model import RelativePosemb, VisionTransformer
 
@@ -86,88 +86,6 @@ def test_forward_computes_the_last_layer_for_the_class_token_alone_with_the_same
     torch.testing.assert_close(fast, full, atol=1e-5, rtol=1e-5)
     for (name, _), a, b in zip(model.named_parameters(), fast_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_training_attention_on_cpu_runs_in_fp32_and_matches_it(with_bias):
-    # Training in bf16 on a CPU, `attend` computes in fp32 (PyTorch's bf16 attention backward is slow there):
-    # its output is fp32 attention of the bf16 inputs, rounded to bf16, and its gradients are fp32's, rounded.
-    from vitkit.model import attend
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 10, 8, generator=g).bfloat16().requires_grad_() for _ in range(3))
-    bias = torch.randn(3, 10, 10, generator=g).bfloat16() if with_bias else None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = attend(q, k, v, bias, 0.0)
-    assert y.dtype == torch.bfloat16
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    mask = None if bias is None else bias.float()
-    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask)
-    assert torch.equal(y.float(), ref.bfloat16().float())  # computed in fp32, then rounded once
-    grad = torch.randn(y.shape, generator=g)
-    y.backward(grad.bfloat16())
-    ref.backward(grad.bfloat16().float())
-    for t, t32 in ((q, q32), (k, k32), (v, v32)):
-        assert t.grad.dtype == torch.bfloat16
-        torch.testing.assert_close(t.grad.float(), t32.grad, atol=0, rtol=2**-7)  # bf16 rounding of fp32's gradient
-    with torch.no_grad():  # inference keeps bf16 (fast in the forward pass)
-        assert attend(q, k, v, bias, 0.0).dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_training_attention_on_cpu_is_written_out_and_matches_sdpa(monkeypatch, dtype):
-    # Under torch.compile, CPU training takes `attend_explicit` (the compiler fuses it; faster than compiled SDPA).
-    # Compiling takes seconds, so the compiler's flag is set by hand: the same branch, the same arithmetic.
-    import vitkit.model as vm
-
-    explicit, calls = vm.attend_explicit, []
-    monkeypatch.setattr(vm, "attend_explicit", lambda *args: calls.append(1) or explicit(*args))
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 10, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
-    bias = torch.randn(3, 10, 10, generator=g).to(dtype)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    y = vm.attend(q, k, v, bias, 0.0)
-    assert calls == [1] and y.dtype == dtype
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=bias.float())
-    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # bf16 matmuls
-    torch.testing.assert_close(y.float(), ref, **tol)
-    grad = torch.randn(y.shape, generator=g)
-    y.backward(grad.to(dtype))
-    ref.backward(grad.to(dtype).float())
-    for t, t32 in ((q, q32), (k, k32), (v, v32)):
-        torch.testing.assert_close(t.grad.float(), t32.grad, **tol)
-    with torch.no_grad():  # inference keeps the SDPA kernel
-        vm.attend(q, k, v, bias, 0.0)
-    assert calls == [1]
-
-
-@pytest.mark.parametrize("amx", [False, True])
-def test_bf16_inference_attention_on_a_cpu_without_amx_is_written_out_piecewise_and_matches_sdpa(monkeypatch, amx):
-    # With AVX-512 BF16 but no AMX, bf16 inference attention is two batched matmuls and a bf16 softmax, a few images
-    # at a time (SDPA's bf16 kernel is slow there); with AMX it stays SDPA. Both checked on every machine.
-    import vitkit.model as vm
-
-    written, calls = vm.attend_bf16_cpu, []
-    monkeypatch.setattr(vm, "attend_bf16_cpu", lambda *args: calls.append(1) or written(*args))
-    monkeypatch.setattr(vm, "_cpu_bf16_without_amx", lambda: not amx)
-    monkeypatch.setattr(vm, "BF16_CPU_LOGITS", 2 * 3 * 10 * 10)  # pieces of 2 images: 5 images in 3 pieces
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(5, 3, 10, 8, generator=g).bfloat16() for _ in range(3))
-    bias = torch.randn(3, 10, 10, generator=g).bfloat16()
-    per_image = torch.randn(5, 3, 10, 10, generator=g).bfloat16()  # a mask of each image's own
-    with torch.no_grad():
-        for b in (None, bias, per_image):
-            mask = None if b is None else b.float()
-            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
-            y = vm.attend(q, k, v, b, 0.0)
-            assert y.dtype == torch.bfloat16 and y.shape == q.shape
-            torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)  # bf16 matmuls and probabilities
-        assert calls == ([] if amx else [1, 1, 1])
-        vm.attend(q.float(), k.float(), v.float(), None, 0.0)  # fp32 keeps SDPA
-        assert len(calls) == (0 if amx else 3)
-    vm.attend(q.requires_grad_(), k, v, bias, 0.0)  # training keeps its own path
-    assert len(calls) == (0 if amx else 3)
 
 
 def test_forward_intermediates_names_and_shapes():

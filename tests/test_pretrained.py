@@ -173,10 +173,14 @@ def test_hub_names_load_from_a_prepopulated_cache_offline(cache, tmp_path, monke
     fake_hub_cache(cache, "google/vit-tiny-test", {n: copy(tmp_path / "hf" / n) for n in hf_files})
     # timm's Hub files: a bare state dict (no heads recorded: "tiny" in the architecture name says 3).
     state = safetensors.torch.load_file(tmp_path / "timm.safetensors")
-    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.test", {
-        "config.json": lambda p: p.write_text(json.dumps({"architecture": "vit_tiny_patch8_32", "num_classes": 5})),
-        "model.safetensors": lambda p: safetensors.torch.save_file(state, p),
-    })  # fmt: skip
+    fake_hub_cache(
+        cache,
+        "timm/vit_tiny_patch8_32.test",
+        {
+            "config.json": lambda p: p.write_text(json.dumps({"architecture": "vit_tiny_patch8_32", "num_classes": 5})),
+            "model.safetensors": lambda p: safetensors.torch.save_file(state, p),
+        },
+    )
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         for name in ("google/vit-tiny-test", "timm/vit_tiny_patch8_32.test"):
@@ -193,10 +197,14 @@ def test_timm_hub_repo_with_only_pytorch_model_bin_loads_it_weights_only(cache, 
     vitkit.export(model, tmp_path / "timm.safetensors", format="timm")
     state = safetensors.torch.load_file(tmp_path / "timm.safetensors")
     config = {"architecture": "vit_tiny_patch8_32", "num_classes": 5}
-    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.old", {  # an older repository: no model.safetensors
-        "config.json": lambda p: p.write_text(json.dumps(config)),
-        "pytorch_model.bin": lambda p: torch.save(state, p),
-    })  # fmt: skip
+    fake_hub_cache(
+        cache,
+        "timm/vit_tiny_patch8_32.old",
+        {  # an older repository: no model.safetensors
+            "config.json": lambda p: p.write_text(json.dumps(config)),
+            "pytorch_model.bin": lambda p: torch.save(state, p),
+        },
+    )
     path, arguments = pretrained.fetch("timm/vit_tiny_patch8_32.old", download=False)
     assert (path / "pytorch_model.bin").is_file() and arguments == {"format": "timm", "num_heads": 3}
     x = torch.randn(2, 3, 32, 32)
@@ -205,10 +213,14 @@ def test_timm_hub_repo_with_only_pytorch_model_bin_loads_it_weights_only(cache, 
             vitkit.load_pretrained("timm/vit_tiny_patch8_32.old")(x), model(x), atol=1e-5, rtol=0
         )
     # Read weights-only, as every torch file: a .bin that pickles an object is refused, not unpickled.
-    fake_hub_cache(cache, "timm/vit_tiny_patch8_32.hostile", {
-        "config.json": lambda p: p.write_text(json.dumps(config)),
-        "pytorch_model.bin": lambda p: torch.save({"state": state, "extra": pretrained.Pretrained}, p),
-    })  # fmt: skip
+    fake_hub_cache(
+        cache,
+        "timm/vit_tiny_patch8_32.hostile",
+        {
+            "config.json": lambda p: p.write_text(json.dumps(config)),
+            "pytorch_model.bin": lambda p: torch.save({"state": state, "extra": pretrained.Pretrained}, p),
+        },
+    )
     with pytest.raises(vitkit.CheckpointError, match="weights-only"):
         vitkit.load_pretrained("timm/vit_tiny_patch8_32.hostile")
     fake_hub_cache(cache, "timm/vit_tiny_patch8_32.empty", {"config.json": lambda p: p.write_text(json.dumps(config))})

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny
+from helpers import tiny
 from vitkit.cli import _train_config, build_parser
 from vitkit.recipes import (
     FINETUNE_DEFAULTS,
@@ -58,8 +58,9 @@ def test_adamw_uses_the_fused_kernel_on_plain_tensors_with_the_loops_result():
     start = model.embedding.weight.detach().clone()
     config = TrainConfig(lr=0.01)
     fused = build_optimizer(model, config)
-    loop = torch.optim.AdamW(param_groups(reference, config.weight_decay), lr=config.lr, betas=config.betas,
-                             foreach=False)  # fmt: skip
+    loop = torch.optim.AdamW(
+        param_groups(reference, config.weight_decay), lr=config.lr, betas=config.betas, foreach=False
+    )
     assert fused.defaults["fused"] is True and not loop.defaults["fused"]
     x, target = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     for _ in range(3):
@@ -101,8 +102,9 @@ def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_pa
     config = _train_config(args, {})
     assert (config.lr, config.epochs, config.flip, config.betas) == (0.002, 5.0, False, (0.9, 0.95))
     assert config.model_args == {"hidden_size": 48, "num_heads": 4}
-    finetune = _train_config(build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", "--lr", "0.03"]),
-                             FINETUNE_DEFAULTS)  # fmt: skip
+    finetune = _train_config(
+        build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", "--lr", "0.03"]), FINETUNE_DEFAULTS
+    )
     assert (finetune.optimizer, finetune.weight_decay, finetune.lr, finetune.model_args) == ("sgd", 0.0, 0.03, {})
     assert finetune.trainable == "full"
     for flag in ("--trainable", "--train"):  # --train: the option's older spelling, still accepted

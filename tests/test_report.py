@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import vitkit
-from conftest import tiny
+from helpers import tiny
 from shapes_vit import trained_shapes_vit
 from vitkit import analysis as vi
 from vitkit.cli import main

@@ -51,9 +51,17 @@ def test_vitkit_train_trains_and_resumes_the_resnet(tmp_path):
     from vitkit.training import train
 
     config = vitkit.TrainConfig(
-        data="shapes", data_args={"size": 32, "image_size": 16}, model="BiT-R26", model_args={"units": [1]},
-        batch_size=8, steps=4, eval_every=0, log_every=1, out_dir=str(tmp_path / "run"), threads=1,
-    )  # fmt: skip
+        data="shapes",
+        data_args={"size": 32, "image_size": 16},
+        model="BiT-R26",
+        model_args={"units": [1]},
+        batch_size=8,
+        steps=4,
+        eval_every=0,
+        log_every=1,
+        out_dir=str(tmp_path / "run"),
+        threads=1,
+    )
     stopped = train(config, stop_after=2)
     assert stopped.interrupted and stopped.step == 2
     done = train(resume=tmp_path / "run")

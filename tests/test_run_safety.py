@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_training import TINY, shapes_config
+from helpers import SMALL_ENCODER as TINY
+from helpers import shapes_config
 from vitkit.checkpoints import load_checkpoint
 from vitkit.cli import main
 from vitkit.files import atomic_write
@@ -46,8 +47,11 @@ def test_disk_full_while_writing_leaves_the_previous_file_intact_and_says_so(tmp
         Path(tmp).write_bytes(b"half of the new")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    with pytest.raises(OSError, match=r"checkpoint\.pt: writing failed \(No space left on device\); the previous "
-                       r"checkpoint\.pt is intact") as caught:  # fmt: skip
+    with pytest.raises(
+        OSError,
+        match=r"checkpoint\.pt: writing failed \(No space left on device\); the previous "
+        r"checkpoint\.pt is intact",
+    ) as caught:
         atomic_write(target, fill_the_disk)
     assert caught.value.errno == errno.ENOSPC
     assert target.read_bytes() == b"previous"
@@ -91,7 +95,7 @@ KILL_RUN = dict(
     log_every=1,
     crop_scale=(0.3, 1.0),
     threads=1,
-)  # fmt: skip  (6 steps per epoch: an evaluation and a checkpoint every 2 steps)
+)  # 6 steps per epoch: an evaluation and a checkpoint every 2 steps
 
 
 def _train_in_child(config, resume) -> None:
@@ -176,8 +180,11 @@ def test_a_run_directory_holding_a_run_is_never_overwritten(tmp_path, capsys):
     stopped = train(shapes_config(tmp_path / "run", steps=6), stop_after=2)
     assert stopped.interrupted
     before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
-    with pytest.raises(FileExistsError, match=r"run already holds a run \(step 2 of 6 saved\): continue it with "
-                       r"`vitkit train --resume .*run`, or pass --overwrite"):  # fmt: skip
+    with pytest.raises(
+        FileExistsError,
+        match=r"run already holds a run \(step 2 of 6 saved\): continue it with "
+        r"`vitkit train --resume .*run`, or pass --overwrite",
+    ):
         train(shapes_config(tmp_path / "run", steps=6))
     status = main(["train", "--data", "shapes", "--out-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
@@ -210,12 +217,30 @@ def test_a_nan_loss_stops_the_run_at_its_step_and_the_last_good_checkpoint_stays
     from vitkit.errors import NonFiniteError
 
     config = shapes_config(tmp_path / "run", steps=8, eval_every=0.34)  # 6 steps per epoch: a checkpoint every 2
-    with pytest.raises(NonFiniteError, match=r"step 5: non-finite loss \(loss nan, .*newest checkpoint, step 4, is "
-                       r"the last good state: continue with `vitkit train --resume"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 5: non-finite loss \(loss nan, .*newest checkpoint, step 4, is "
+        r"the last good state: continue with `vitkit train --resume",
+    ):
         train(config)
     state = read_checkpoint(tmp_path / "run")
     assert state["step"] == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
     assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_the_nonfinite_error_says_what_was_met_and_how_to_go_on_with_or_without_a_checkpoint():
+    from types import SimpleNamespace
+
+    from vitkit.training import nonfinite_error
+
+    state = SimpleNamespace(step=3, saved_step=None, run=SimpleNamespace(path=Path("runs/x")))
+    message = str(nonfinite_error(state, torch.tensor(1.5), torch.tensor(float("inf"))))
+    assert message.startswith("step 3: non-finite gradient (loss 1.5, gradient norm inf); the run stopped")
+    assert "No checkpoint was saved yet: start again with a lower --lr, or pass --nonfinite skip" in message
+    state.saved_step = 2
+    message = str(nonfinite_error(state, torch.tensor(float("nan")), torch.tensor(float("nan"))))
+    assert "non-finite loss (loss nan" in message
+    assert "step 2, is the last good state: continue with `vitkit train --resume runs/x` with a lower --lr" in message
 
 
 @pytest.mark.slow
@@ -354,8 +379,10 @@ def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_pa
     quarter = len(samples) // 4
     early, late = sorted(samples[quarter : 2 * quarter]), sorted(samples[3 * quarter :])
     growth = late[len(late) // 2] - early[len(early) // 2]
-    print(f"soak: {len(samples)} RSS samples, median {early[len(early) // 2]:.0f} MB in the 2nd quarter, "
-          f"{late[len(late) // 2]:.0f} MB in the 4th: growth {growth:+.1f} MB")  # fmt: skip
+    print(
+        f"soak: {len(samples)} RSS samples, median {early[len(early) // 2]:.0f} MB in the 2nd quarter, "
+        f"{late[len(late) // 2]:.0f} MB in the 4th: growth {growth:+.1f} MB"
+    )
     assert growth < 20
     assert len(os.listdir("/proc/self/fd")) <= fds  # no file left open
     # No thread left running: compared as sets, since a thread of an earlier test (tqdm's monitor, a server)

@@ -2,13 +2,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 
-from conftest import SMALL_ENCODER, assert_same_weights, run_weights
+from helpers import SMALL_ENCODER, assert_same_weights, fingerprint, run_weights, write_image_folder
 from vitkit import training
 from vitkit.data import ImageFolder, get_dataset, pack_image_folder
 from vitkit.distributed import World
@@ -16,23 +14,6 @@ from vitkit.recipes import TrainConfig
 from vitkit.runs import read_checkpoint
 from vitkit.shards import ShardedDataset, check_data_order
 from vitkit.training import train
-
-
-def write_image_folder(root, per_class: int = 12, classes=("cat", "dog", "owl")):
-    """PNG and JPEG files of varied sizes, each image unique (its pixels encode class and index)."""
-    rng = np.random.default_rng(0)
-    for c, name in enumerate(classes):
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = rng.integers(0, 256, (10 + i % 3, 12, 3), dtype=np.uint8)
-            pixels[0, 0] = (c, i, 7)
-            suffix = ".jpg" if i % 4 == 0 else ".png"
-            Image.fromarray(pixels).save(root / name / f"{i:03d}{suffix}")
-    return root
-
-
-def fingerprint(image: torch.Tensor, label: int) -> tuple:
-    return (tuple(image.shape), image.numpy().tobytes(), int(label))
 
 
 @pytest.fixture
@@ -72,8 +53,9 @@ def epoch_samples(dataset, epoch, world_size, workers, micro, start=0, stop=None
     stop = stop or dataset.micro_batches_per_epoch(micro, world_size, workers)
     out = []
     for rank in range(world_size):
-        stream = dataset.stream(epoch=epoch, seed=3, rank=rank, world_size=world_size, workers=workers, micro=micro,
-                                start=start, stop=stop)  # fmt: skip
+        stream = dataset.stream(
+            epoch=epoch, seed=3, rank=rank, world_size=world_size, workers=workers, micro=micro, start=start, stop=stop
+        )
         out.append([[fingerprint(im, y) for im, y in zip(images, labels)] for images, labels in stream])
     return out
 
@@ -116,8 +98,17 @@ def test_too_few_shards_for_the_processes_is_a_clear_error(packed):
 
 
 def small_run(out_dir, **overrides) -> TrainConfig:
-    spec = dict(model="ViT-Ti/8", model_args=dict(SMALL_ENCODER), image_size=16, batch_size=3, epochs=1, eval_every=0,
-                threads=1, workers=2, out_dir=str(out_dir))  # fmt: skip
+    spec = dict(
+        model="ViT-Ti/8",
+        model_args=dict(SMALL_ENCODER),
+        image_size=16,
+        batch_size=3,
+        epochs=1,
+        eval_every=0,
+        threads=1,
+        workers=2,
+        out_dir=str(out_dir),
+    )
     return TrainConfig(**{**spec, **overrides})
 
 
@@ -149,8 +140,11 @@ def test_a_run_on_packed_shards_stopped_and_resumed_is_bit_identical(tmp_path):
     stopped = train(small_run(tmp_path / "split", **spec), stop_after=4)  # inside the first epoch
     assert stopped.interrupted and stopped.step == 4
     # Another worker count would stream another order: refused, naming both counts, the run left as it was.
-    with pytest.raises(ValueError, match=r"saved with 1 process\(es\) and --workers 2, and would now run with 1 "
-                                         r"and --workers 3.*Resume it with 1 process\(es\).*--workers 2"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"saved with 1 process\(es\) and --workers 2, and would now run with 1 "
+        r"and --workers 3.*Resume it with 1 process\(es\).*--workers 2",
+    ):
         train(resume=tmp_path / "split", changes={"workers": 3})
     assert read_checkpoint(tmp_path / "split")["workers"] == 2
     assert train(resume=tmp_path / "split").step == 12

@@ -88,6 +88,11 @@ def test_import_vitkit_does_not_load_the_training_or_plotting_stack():
         "import sys, vitkit; "
         "print(sorted(m for m in ('torchvision', 'matplotlib', 'vitkit.training', 'vitkit.data') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(PACKAGE.parent), "PATH": ""})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(PACKAGE.parent), "PATH": ""},
+    )
     assert out.stdout.strip() == "[]"

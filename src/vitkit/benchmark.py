@@ -13,8 +13,6 @@ median is kept, so that noise from other work on the machine hits all of them al
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -31,50 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import machine
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
-from .inference import PackedLinear, bf16_is_native, optimize, packing_available
+from .inference import PackedLinear, optimize, packing_available
 from .model import VisionTransformer
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-# The /proc/cpuinfo flags that decide which kernels run: AVX-512 for oneDNN's fp32 layers, bf16 and AMX for bf16.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    info: dict[str, Any] = {
-        "cpu": platform.processor() or platform.machine(),
-        "family": None,
-        "model": None,
-        "flags": [],
-        "cores": os.cpu_count(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_native_cpu": bf16_is_native("cpu"),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    try:  # the first processor's name, family and model ("AMD EPYC" alone names several generations)
-        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
-        if "model name" in fields:
-            known = "cpu family" in fields and "model" in fields
-            generation = f" (family {fields['cpu family']}, model {fields['model']})" if known else ""
-            info["cpu"] = fields["model name"] + generation
-            if known:
-                info["family"], info["model"] = int(fields["cpu family"]), int(fields["model"])
-        info["flags"] = [f for f in CPU_FLAGS if f in fields.get("flags", "").split()]
-    except (OSError, ValueError):
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["bf16_native_gpu"] = bf16_is_native("cuda")
-    return info
 
 
 def commit() -> str | None:
@@ -103,7 +66,7 @@ def record_header(benchmark: str) -> dict[str, Any]:
         command = f"{program.name} {args}"
     return {
         "benchmark": benchmark,
-        "machine": machine(),
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
         "commit": commit(),
         "command": command.strip(),
@@ -400,8 +363,17 @@ def largest_batches(rows: list[dict], budget_gb: float | None) -> list[dict]:
         per_image = max((m1 - m0) / (b1 - b0), 1e-9)
         fixed = m0 - per_image * b0
         largest = int((budget_gb * 1024 - fixed) // per_image)
-        out.append({"image_size": key[0], "precision": key[1], "kind": key[2], "mode": key[3],
-                    "largest_batch": max(largest, 0), "per_image_mb": per_image, "fixed_mb": fixed})  # fmt: skip
+        out.append(
+            {
+                "image_size": key[0],
+                "precision": key[1],
+                "kind": key[2],
+                "mode": key[3],
+                "largest_batch": max(largest, 0),
+                "per_image_mb": per_image,
+                "fixed_mb": fixed,
+            }
+        )
     return out
 
 
@@ -417,8 +389,10 @@ def format_bench(result: dict) -> str:
     ]
     for r in result["rows"]:
         if r["kind"] == "matmul":
-            lines.append(f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{'matmul':<10}{r['mode']:<10}"
-                         f"{'':>10}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}")  # fmt: skip
+            lines.append(
+                f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{'matmul':<10}{r['mode']:<10}"
+                f"{'':>10}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}"
+            )
             continue
         mem = "" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
         lines.append(
@@ -426,8 +400,10 @@ def format_bench(result: dict) -> str:
             f"{r['images_per_s']:>10.2f}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}{mem:>9}"
         )
     for r in result["largest_batch"]:
-        lines.append(f"largest batch in {result['settings']['memory_budget_gb']} GB at {r['image_size']} px, "
-                     f"{r['precision']} {r['kind']} ({r['mode']}): {r['largest_batch']}")  # fmt: skip
+        lines.append(
+            f"largest batch in {result['settings']['memory_budget_gb']} GB at {r['image_size']} px, "
+            f"{r['precision']} {r['kind']} ({r['mode']}): {r['largest_batch']}"
+        )
     return "\n".join(lines)
 
 

@@ -25,8 +25,9 @@ def check_finite(model: VisionTransformer, path: str | os.PathLike, allow_nonfin
     names += f", ... ({len(bad)} tensors in all)" if len(bad) > 12 else ""
     message = f"non-finite weights (NaN or infinity) in {names}: the model would predict NaN."
     if not allow_nonfinite:
-        raise CheckpointError(path, message + " Pass allow_nonfinite=True (--allow-nonfinite) to load it anyway.",
-                              key=bad[0][0])  # fmt: skip
+        raise CheckpointError(
+            path, message + " Pass allow_nonfinite=True (--allow-nonfinite) to load it anyway.", key=bad[0][0]
+        )
     warnings.warn(f"{path}: {message}", stacklevel=3)
 
 
@@ -66,8 +67,9 @@ def load_checkpoint(
     NaN or infinite weights, unless `allow_nonfinite` (then a warning names them).
     """
     if not os.path.exists(path) and pretrained.is_pretrained_name(str(path)):
-        return load_pretrained(str(path), image_size=image_size, num_classes=num_classes,
-                               allow_nonfinite=allow_nonfinite, **overrides)  # fmt: skip
+        return load_pretrained(
+            str(path), image_size=image_size, num_classes=num_classes, allow_nonfinite=allow_nonfinite, **overrides
+        )
     name = formats.detect_format(path) if format == "auto" else format
     reader = partial(formats.get_format(name).load, image_size=image_size, **overrides)
     check_fields(ViTConfig, overrides)
@@ -117,8 +119,9 @@ def export(model: Model, path: str | os.PathLike, format: str = "vitkit") -> Non
     in vitkit and timm metadata and in Hugging Face's id2label. A BiT ResNet baseline is written in vitkit's
     format only."""
     if not isinstance(model, VisionTransformer) and format != "vitkit":
-        raise ValueError(f"format={format!r} holds Vision Transformers only: export a {type(model).__name__} with "
-                         "format='vitkit'.")  # fmt: skip
+        raise ValueError(
+            f"format={format!r} holds Vision Transformers only: export a {type(model).__name__} with format='vitkit'."
+        )
     module = formats.get_format(format)
     path = Path(path)
     directory = format == "hf" or (format == "timm" and not path.suffix)  # the layouts that are a directory

@@ -18,8 +18,8 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
-from .inference import optimize, resolve_precision
-from .kernels import retain_freed_memory
+from .inference import optimize
+from .machine import resolve_precision, retain_freed_memory
 from .model import VisionTransformer
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
@@ -124,8 +124,12 @@ def _for_inference(model, args: argparse.Namespace):
 
 
 def _add_optimize_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-optimize", dest="optimize", action="store_false",
-                   help="run the model as loaded, not the copy vitkit.optimize makes")  # fmt: skip
+    p.add_argument(
+        "--no-optimize",
+        dest="optimize",
+        action="store_false",
+        help="run the model as loaded, not the copy vitkit.optimize makes",
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -140,11 +144,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = bench(
-        args.model, image_sizes=tuple(args.image_size), batch_sizes=tuple(args.batch_size),
-        precisions=tuple(args.precision), modes=tuple(args.mode), train=args.train, compile=args.compile,
-        rounds=args.rounds, min_seconds=args.min_seconds, memory_budget_gb=args.memory_budget_gb,
-        device=resolve_device(args.device), **args.model_args,
-    )  # fmt: skip
+        args.model,
+        image_sizes=tuple(args.image_size),
+        batch_sizes=tuple(args.batch_size),
+        precisions=tuple(args.precision),
+        modes=tuple(args.mode),
+        train=args.train,
+        compile=args.compile,
+        rounds=args.rounds,
+        min_seconds=args.min_seconds,
+        memory_budget_gb=args.memory_budget_gb,
+        device=resolve_device(args.device),
+        **args.model_args,
+    )
     print(format_bench(result))
     if args.out:
         json_path, png_path = write_bench(result, args.out)
@@ -258,14 +270,22 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from .experiments import experiment
 
     try:
-        result = experiment(args.name, preset=args.preset, seeds=args.seeds, out=args.out,
-                            checkpoint=args.checkpoint, threads=args.threads)  # fmt: skip
+        result = experiment(
+            args.name,
+            preset=args.preset,
+            seeds=args.seeds,
+            out=args.out,
+            checkpoint=args.checkpoint,
+            threads=args.threads,
+        )
     except KeyboardInterrupt as e:
         print(f"vitkit experiment: interrupted ({e or 'Ctrl-C'}); finished runs are kept.", file=sys.stderr)
         return 130
     print(result.files["table"].read_text())
-    print(f"{result.trained} training run(s) and {result.measured} measurement(s) done in {result.seconds / 60:.1f} "
-          f"min; wrote {', '.join(str(p) for p in result.files.values())}")  # fmt: skip
+    print(
+        f"{result.trained} training run(s) and {result.measured} measurement(s) done in {result.seconds / 60:.1f} "
+        f"min; wrote {', '.join(str(p) for p in result.files.values())}"
+    )
     return 0
 
 
@@ -394,8 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
     p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
-    p.add_argument("dst", help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
-                   "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
+    p.add_argument(
+        "dst",
+        help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
+        "(timm's hub layout: model.safetensors + config.json)",
+    )
     p.add_argument("--to", required=True, choices=formats.WRITABLE, help="output format")
     p.add_argument("--format", default="auto", choices=("auto", *formats.FORMATS), help="input format")
     _add_reading_options(p, images=False)
@@ -406,15 +429,22 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
     datasets = _choices("data") or ()
-    source.add_argument("--data", default="shapes", choices=datasets, metavar="DATA",
-                        help=f"dataset to take images from ({'|'.join(datasets)}); default shapes")  # fmt: skip
+    source.add_argument(
+        "--data",
+        default="shapes",
+        choices=datasets,
+        metavar="DATA",
+        help=f"dataset to take images from ({'|'.join(datasets)}); default shapes",
+    )
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
     p.add_argument("--split", default="test", choices=("train", "test"), help="split of --data (default test)")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
     p.add_argument(
-        "--stride", type=int, help="pixels between occlusion windows (default half a patch); doubling it quarters "
+        "--stride",
+        type=int,
+        help="pixels between occlusion windows (default half a patch); doubling it quarters "
         "the forward passes, which the command counts before it starts",
-    )  # fmt: skip
+    )
     _add_execution_options(p)
     _add_reading_options(p)
     _add_optimize_option(p)
@@ -429,14 +459,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
-    p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
-                   help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
+    p.add_argument(
+        "--data",
+        default="fashion-mnist",
+        choices=datasets,
+        metavar="DATA",
+        help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist",
+    )
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
     p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")
     p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="arithmetic of the forward passes: bf16 autocasts matrix products, auto is bf16 where the "
-                        "hardware has it (default fp32)")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=PRECISIONS,
+        help="arithmetic of the forward passes: bf16 autocasts matrix products, auto is bf16 where the "
+        "hardware has it (default fp32)",
+    )
     _add_execution_options(p)
     p.add_argument("--fewshot", metavar="K,K,...", help="few-shot linear accuracy with K images per class, e.g. 1,5,10")
     p.add_argument("--draws", type=int, default=5, help="random draws of the shots to average (default 5)")
@@ -472,8 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_pack)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
-    p.add_argument("--checkpoint", required=True,
-                   help="model file with class names (as `vitkit train` saves), or pretrained name")  # fmt: skip
+    p.add_argument(
+        "--checkpoint", required=True, help="model file with class names (as `vitkit train` saves), or pretrained name"
+    )
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
     _add_execution_options(p)
@@ -486,10 +526,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-args", type=_mapping, default={}, metavar="JSON|K=V,...", help="ViTConfig overrides")
     p.add_argument("--image-size", type=int, nargs="+", default=[224], help="resolutions (default 224)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
-    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=BENCH_PRECISIONS,
-                   help="arithmetic to time (default fp32 bf16; bf16 is slow where the CPU emulates it)")  # fmt: skip
-    p.add_argument("--mode", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES,
-                   help="plain model(x) and/or the vitkit.optimize copy (default both)")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        nargs="+",
+        default=["fp32", "bf16"],
+        choices=BENCH_PRECISIONS,
+        help="arithmetic to time (default fp32 bf16; bf16 is slow where the CPU emulates it)",
+    )
+    p.add_argument(
+        "--mode",
+        nargs="+",
+        default=list(BENCH_MODES),
+        choices=BENCH_MODES,
+        help="plain model(x) and/or the vitkit.optimize copy (default both)",
+    )
     p.add_argument("--no-train", dest="train", action="store_false", help="leave out the training step")
     p.add_argument("--compile", action="store_true", help="also time a torch.compile'd training step")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, the median kept (default 3)")

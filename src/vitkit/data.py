@@ -460,8 +460,9 @@ def pack_image_folder(
     if not Path(root).is_dir():
         raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
     splits = {split: ImageFolder(split, root, val_fraction=val_fraction) for split in ("train", "test")}
-    return pack_splits(splits, out_dir, samples_per_shard=samples_per_shard, seed=seed, source=str(root),
-                       progress=progress)  # fmt: skip
+    return pack_splits(
+        splits, out_dir, samples_per_shard=samples_per_shard, seed=seed, source=str(root), progress=progress
+    )
 
 
 def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:

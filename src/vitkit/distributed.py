@@ -231,9 +231,11 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     dcp.load(tensors, storage_reader=_safe_reader(path))
     groups = state.pop("param_groups")
     set_state_dict(
-        model, optimizer, model_state_dict=tensors["model"],
+        model,
+        optimizer,
+        model_state_dict=tensors["model"],
         optim_state_dict={"state": tensors["optim"], "param_groups": groups},
-    )  # fmt: skip
+    )
     return state
 
 

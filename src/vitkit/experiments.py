@@ -71,7 +71,7 @@ PRESETS: dict[str, Preset] = {
             eval_every=0,
             log_every=2,
             eval_batch_size=96,
-        ),  # fmt: skip
+        ),
         vit=dict(model="ViT-Ti/4", model_args=TINY_MODEL),
         bit=dict(model="BiT-R26", model_args={"units": [1]}),
         hybrid=dict(model="R50+ViT-Ti/16", model_args={**TINY_MODEL, "hybrid": {"units": [1]}}),
@@ -145,8 +145,15 @@ def _scratch(s: Setting, arch: dict[str, Any], seed: int, **fields: Any) -> dict
 def _from_checkpoint(s: Setting, seed: int, **fields: Any) -> dict[str, Any]:
     """TrainConfig fields of a fine-tuning run from the pre-trained checkpoint (official SGD recipe)."""
     recipe = {"optimizer": "sgd", "lr": 0.01, "weight_decay": 0.0}
-    return {**s.preset.base, "checkpoint": s.checkpoint, "model_args": {}, **recipe, "seed": seed,
-            **s.preset.pretrained_train, **fields}  # fmt: skip
+    return {
+        **s.preset.base,
+        "checkpoint": s.checkpoint,
+        "model_args": {},
+        **recipe,
+        "seed": seed,
+        **s.preset.pretrained_train,
+        **fields,
+    }
 
 
 def _checkpoint_architecture(s: Setting) -> dict[str, Any]:
@@ -154,8 +161,22 @@ def _checkpoint_architecture(s: Setting) -> dict[str, Any]:
     c = load_checkpoint(s.checkpoint).config
     if not isinstance(c, ViTConfig):
         raise ValueError(f"checkpoint {s.checkpoint} holds a {type(c).__name__}: these experiments need a ViT.")
-    fields = ("hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb", "qkv_bias",
-              "representation_size", "hybrid", "layer_scale_init", "act", "layer_norm_eps", "in_chans")  # fmt: skip
+    fields = (
+        "hidden_size",
+        "num_layers",
+        "mlp_dim",
+        "num_heads",
+        "patch_size",
+        "classifier",
+        "posemb",
+        "qkv_bias",
+        "representation_size",
+        "hybrid",
+        "layer_scale_init",
+        "act",
+        "layer_norm_eps",
+        "in_chans",
+    )
     args = {f: getattr(c, f) for f in fields}
     args["patch_size"] = list(args["patch_size"])
     args["hybrid"] = c.hybrid and {"units": list(c.hybrid.units), "width_factor": c.hybrid.width_factor}
@@ -169,7 +190,7 @@ def data_scaling(s: Setting) -> list[Run]:
             {"model": name, "images": n, "seed": seed},
             _scratch(s, arch, seed, train_images=None if n == full else n),
             ("accuracy", "fewshot"),
-        )  # fmt: skip
+        )
         for seed in range(s.seeds)
         for name, arch in (("ViT", p.vit), ("ResNet", p.bit))
         for n in p.subsets
@@ -179,19 +200,36 @@ def data_scaling(s: Setting) -> list[Run]:
 def pretraining(s: Setting) -> list[Run]:
     p = s.preset
     scratch = {**_checkpoint_architecture(s), "image_size": p.pretrained_train["image_size"]}
-    runs = [Run({"method": "frozen pre-trained (few-shot)", "images": None, "seed": seed}, None, ("fewshot",),
-                s.checkpoint, p.pretrained_train["image_size"]) for seed in range(s.seeds)]  # fmt: skip
+    runs = [
+        Run(
+            {"method": "frozen pre-trained (few-shot)", "images": None, "seed": seed},
+            None,
+            ("fewshot",),
+            s.checkpoint,
+            p.pretrained_train["image_size"],
+        )
+        for seed in range(s.seeds)
+    ]
     for seed in range(s.seeds):
         for n in p.pretrained_subsets:
             train_budget = {k: v for k, v in p.pretrained_train.items() if k != "image_size"}
             runs += [
-                Run({"method": "from scratch", "images": n, "seed": seed},
-                    _scratch(s, scratch, seed, train_images=n, **train_budget), ("accuracy", "fewshot")),
-                Run({"method": "linear probe", "images": n, "seed": seed},
-                    _from_checkpoint(s, seed, train_images=n, trainable="head"), ("accuracy",)),
-                Run({"method": "fine-tune", "images": n, "seed": seed},
-                    _from_checkpoint(s, seed, train_images=n), ("accuracy", "fewshot")),
-            ]  # fmt: skip
+                Run(
+                    {"method": "from scratch", "images": n, "seed": seed},
+                    _scratch(s, scratch, seed, train_images=n, **train_budget),
+                    ("accuracy", "fewshot"),
+                ),
+                Run(
+                    {"method": "linear probe", "images": n, "seed": seed},
+                    _from_checkpoint(s, seed, train_images=n, trainable="head"),
+                    ("accuracy",),
+                ),
+                Run(
+                    {"method": "fine-tune", "images": n, "seed": seed},
+                    _from_checkpoint(s, seed, train_images=n),
+                    ("accuracy", "fewshot"),
+                ),
+            ]
     return runs
 
 
@@ -213,7 +251,7 @@ def classifier(s: Setting) -> list[Run]:
             {"classifier": kind, "lr": lr, "seed": seed},
             _scratch(s, _vit_with(s, classifier=kind), seed, lr=lr),
             ("accuracy",),
-        )  # fmt: skip
+        )
         for seed in range(s.seeds)
         for kind in ("token", "gap")
         for lr in s.preset.learning_rates
@@ -231,9 +269,7 @@ def hybrid(s: Setting) -> list[Run]:
 def partial_finetuning(s: Setting) -> list[Run]:
     n = s.preset.pretrained_subsets[-1]
     return [
-        Run(
-            {"trainable": mode, "seed": seed}, _from_checkpoint(s, seed, train_images=n, trainable=mode), ("accuracy",)
-        )  # fmt: skip
+        Run({"trainable": mode, "seed": seed}, _from_checkpoint(s, seed, train_images=n, trainable=mode), ("accuracy",))
         for seed in range(s.seeds)
         for mode in ("head", "attention", "mlp", "full")
     ]
@@ -245,42 +281,94 @@ def attention_distance(s: Setting) -> list[Run]:
     budget = {k: v for k, v in p.pretrained_train.items() if k != "image_size"}
     n = p.pretrained_subsets[-1]
     return [
-        Run({"model": "pre-trained", "seed": 0}, None, ("attention_distance",), s.checkpoint,
-            p.pretrained_train["image_size"]),
-        *[Run({"model": "from scratch", "seed": seed}, _scratch(s, scratch, seed, train_images=n, **budget),
-              ("accuracy", "attention_distance")) for seed in range(s.seeds)],
-    ]  # fmt: skip
+        Run(
+            {"model": "pre-trained", "seed": 0},
+            None,
+            ("attention_distance",),
+            s.checkpoint,
+            p.pretrained_train["image_size"],
+        ),
+        *[
+            Run(
+                {"model": "from scratch", "seed": seed},
+                _scratch(s, scratch, seed, train_images=n, **budget),
+                ("accuracy", "attention_distance"),
+            )
+            for seed in range(s.seeds)
+        ],
+    ]
 
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in (
-        Experiment("data-scaling", "ViT against a ResNet of similar compute, by training-set size (Figs. 3, 4)",
-                   "With little data the ResNet's inductive bias wins; with more data the ViT catches up and "
-                   "overtakes it.", data_scaling, series="model", x="images", metrics=("accuracy", "fewshot"),
-                   log_x=True),
-        Experiment("pretraining", "Pre-trained ViT-S/14 against the same ViT from scratch",
-                   "Pre-training on a large dataset is what makes ViT competitive: linear probe, few-shot and "
-                   "fine-tuning from the pre-trained model beat the same model trained from scratch on little data.",
-                   pretraining, series="method", x="images", metrics=("accuracy", "fewshot"), log_x=True),
-        Experiment("posemb", "Position embeddings: none, 1D, 2D, relative (Appendix D.4, Table 8)",
-                   "Any position embedding beats none by a clear margin; 1D, 2D and relative are about equal.",
-                   posemb, series="posemb", metrics=("accuracy", "fewshot")),
-        Experiment("classifier", "Class token against global average pooling (Fig. 9)",
-                   "Both work equally well, but need different learning rates: GAP with the class token's learning "
-                   "rate does worse.", classifier, series="classifier", x="lr", log_x=True),
-        Experiment("hybrid", "Hybrid (ResNet stem + ViT) against plain ViT at small compute (Fig. 5)",
-                   "At small computational budgets the hybrid slightly beats the plain ViT (the gap vanishes for "
-                   "larger models).", hybrid, series="model", metrics=("accuracy", "fewshot")),
-        Experiment("partial-finetuning", "Fine-tuning the head, attention, MLP or everything of the pre-trained ViT",
-                   "(Not a figure of the paper.) How much of the pre-trained network must learn for the new task: "
-                   "the trainable parameters against the accuracy.", partial_finetuning, series="trainable"),
-        Experiment("attention-distance", "Mean attention distance against depth (Fig. 7 right)",
-                   "Some heads attend globally already in the lowest layers, others locally; the attention "
-                   "distance grows with depth.", attention_distance, series="model",
-                   metrics=("attention_distance",)),
+        Experiment(
+            "data-scaling",
+            "ViT against a ResNet of similar compute, by training-set size (Figs. 3, 4)",
+            "With little data the ResNet's inductive bias wins; with more data the ViT catches up and overtakes it.",
+            data_scaling,
+            series="model",
+            x="images",
+            metrics=("accuracy", "fewshot"),
+            log_x=True,
+        ),
+        Experiment(
+            "pretraining",
+            "Pre-trained ViT-S/14 against the same ViT from scratch",
+            "Pre-training on a large dataset is what makes ViT competitive: linear probe, few-shot and "
+            "fine-tuning from the pre-trained model beat the same model trained from scratch on little data.",
+            pretraining,
+            series="method",
+            x="images",
+            metrics=("accuracy", "fewshot"),
+            log_x=True,
+        ),
+        Experiment(
+            "posemb",
+            "Position embeddings: none, 1D, 2D, relative (Appendix D.4, Table 8)",
+            "Any position embedding beats none by a clear margin; 1D, 2D and relative are about equal.",
+            posemb,
+            series="posemb",
+            metrics=("accuracy", "fewshot"),
+        ),
+        Experiment(
+            "classifier",
+            "Class token against global average pooling (Fig. 9)",
+            "Both work equally well, but need different learning rates: GAP with the class token's learning "
+            "rate does worse.",
+            classifier,
+            series="classifier",
+            x="lr",
+            log_x=True,
+        ),
+        Experiment(
+            "hybrid",
+            "Hybrid (ResNet stem + ViT) against plain ViT at small compute (Fig. 5)",
+            "At small computational budgets the hybrid slightly beats the plain ViT (the gap vanishes for "
+            "larger models).",
+            hybrid,
+            series="model",
+            metrics=("accuracy", "fewshot"),
+        ),
+        Experiment(
+            "partial-finetuning",
+            "Fine-tuning the head, attention, MLP or everything of the pre-trained ViT",
+            "(Not a figure of the paper.) How much of the pre-trained network must learn for the new task: "
+            "the trainable parameters against the accuracy.",
+            partial_finetuning,
+            series="trainable",
+        ),
+        Experiment(
+            "attention-distance",
+            "Mean attention distance against depth (Fig. 7 right)",
+            "Some heads attend globally already in the lowest layers, others locally; the attention "
+            "distance grows with depth.",
+            attention_distance,
+            series="model",
+            metrics=("attention_distance",),
+        ),
     )
-}  # fmt: skip
+}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -371,8 +459,9 @@ def experiment(
     _write_text(files["results"], json.dumps(summary, indent=2, default=str) + "\n")
     _write_text(files["table"], markdown_table(exp, summary["table"], preset, seeds))
     plot(exp, summary["table"], files["plot"])
-    return ExperimentResult(name, exp_dir, records, counts["trained"], counts["measured"],
-                            time.perf_counter() - started, files)  # fmt: skip
+    return ExperimentResult(
+        name, exp_dir, records, counts["trained"], counts["measured"], time.perf_counter() - started, files
+    )
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -393,9 +482,15 @@ def execute(run: Run, preset: Preset, runs_dir: Path, threads: int, counts: dict
 
     key = run_key(run)
     run_dir = runs_dir / key
-    measure = {"measure": run.measure, "shots": preset.shots, "draws": preset.draws, "l2": preset.l2,
-               "attention_images": preset.attention_images, "fewshot_test": preset.fewshot_test,
-               "seed": run.labels.get("seed", 0)}  # fmt: skip
+    measure = {
+        "measure": run.measure,
+        "shots": preset.shots,
+        "draws": preset.draws,
+        "l2": preset.l2,
+        "attention_images": preset.attention_images,
+        "fewshot_test": preset.fewshot_test,
+        "seed": run.labels.get("seed", 0),
+    }
     done = run_dir / f"measured-{config_hash(measure)}.json"
     if done.exists():  # measured already, perhaps for another experiment: placed by this run's labels
         return {**json.loads(done.read_text()), "labels": run.labels}
@@ -494,9 +589,15 @@ def table_rows(exp: Experiment, records: list[dict[str, Any]]) -> list[dict[str,
         groups.setdefault(json.dumps({k: v for k, v in r["labels"].items() if k != "seed"}), []).append(r)
     rows = []
     for point, members in groups.items():
-        row: dict[str, Any] = {"labels": json.loads(point), "seeds": len(members), "model": members[0]["model"],
-                               "params": members[0]["params"], "gflops": members[0]["gflops"],
-                               "trainable_params": members[0].get("trainable_params"), "metrics": {}}  # fmt: skip
+        row: dict[str, Any] = {
+            "labels": json.loads(point),
+            "seeds": len(members),
+            "model": members[0]["model"],
+            "params": members[0]["params"],
+            "gflops": members[0]["gflops"],
+            "trainable_params": members[0].get("trainable_params"),
+            "metrics": {},
+        }
         for m in _metric_names(exp, members):
             values = [r["metrics"][m] for r in members if m in r["metrics"]]
             if m == "attention_distance":  # per layer: the heads of every seed together
@@ -555,8 +656,9 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
                 for r in rows:
                     if str(r["labels"][exp.series]) == s:
                         for depth, heads in enumerate(r["metrics"][m]):
-                            ax.scatter([depth + 1] * len(heads), heads, color=f"C{i}", s=12,
-                                       label=s if depth == 0 else None)  # fmt: skip
+                            ax.scatter(
+                                [depth + 1] * len(heads), heads, color=f"C{i}", s=12, label=s if depth == 0 else None
+                            )
             ax.set_xlabel("network depth (layer)")
             ax.set_ylabel("mean attention distance (px)")
         elif exp.x is not None:
@@ -564,9 +666,15 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
                 mine = [r for r in rows if str(r["labels"][exp.series]) == s and m in r["metrics"]]
                 pts = sorted((r["labels"][exp.x], r["metrics"][m]) for r in mine if r["labels"][exp.x] is not None)
                 if pts:
-                    ax.errorbar([x for x, _ in pts], [100 * v["mean"] for _, v in pts],
-                                yerr=[100 * (v["std"] or 0) for _, v in pts], marker="o", color=f"C{i}", label=s,
-                                capsize=3)  # fmt: skip
+                    ax.errorbar(
+                        [x for x, _ in pts],
+                        [100 * v["mean"] for _, v in pts],
+                        yerr=[100 * (v["std"] or 0) for _, v in pts],
+                        marker="o",
+                        color=f"C{i}",
+                        label=s,
+                        capsize=3,
+                    )
                 for r in mine:  # a run not placed on the x axis (e.g. the frozen model): a level across it
                     if r["labels"][exp.x] is None:
                         ax.axhline(100 * r["metrics"][m]["mean"], color=f"C{i}", linestyle="--", label=s)
@@ -575,9 +683,13 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
             ax.set_xlabel(exp.x)
         else:
             bars = [(str(r["labels"][exp.series]), r["metrics"][m]) for r in rows if m in r["metrics"]]
-            ax.bar([b for b, _ in bars], [100 * v["mean"] for _, v in bars],
-                   yerr=[100 * (v["std"] or 0) for _, v in bars], color=[f"C{series.index(b)}" for b, _ in bars],
-                   capsize=3)  # fmt: skip
+            ax.bar(
+                [b for b, _ in bars],
+                [100 * v["mean"] for _, v in bars],
+                yerr=[100 * (v["std"] or 0) for _, v in bars],
+                color=[f"C{series.index(b)}" for b, _ in bars],
+                capsize=3,
+            )
         if m != "attention_distance":
             ax.set_ylabel(m.replace("accuracy", "test top-1 (%)").replace("fewshot_", "few-shot (%), k="))
         ax.set_title(m.replace("_", " "))

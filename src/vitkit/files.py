@@ -73,9 +73,10 @@ def read_safetensors(path: str | os.PathLike) -> tuple[Tensors, dict[str, str]]:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
     except Exception as e:  # SafetensorError, or torch refusing a dtype: every failure to parse is a refusal
         raise CheckpointError(
-            path, f"not a readable safetensors file ({type(e).__name__}: {str(e)[:300]}). "
+            path,
+            f"not a readable safetensors file ({type(e).__name__}: {str(e)[:300]}). "
             "Is it truncated or of another format?",
-        ) from e  # fmt: skip
+        ) from e
 
 
 SAFETENSORS_MAX_HEADER = 100 * 2**20  # the safetensors reader's own limit
@@ -136,9 +137,10 @@ def _npz_arrays(archive: zipfile.ZipFile, path: str | os.PathLike) -> Tensors:
             raise CheckpointError(path, "the archive holds this array twice.", key)
         if info.compress_type != zipfile.ZIP_STORED and info.file_size > 100 * info.compress_size + 2**20:
             raise CheckpointError(
-                path, f"claims {info.file_size:,} bytes from {info.compress_size:,} compressed: refused as a zip bomb.",
+                path,
+                f"claims {info.file_size:,} bytes from {info.compress_size:,} compressed: refused as a zip bomb.",
                 key,
-            )  # fmt: skip
+            )
         with archive.open(info) as f:
             version = np.lib.format.read_magic(f)
             if version == (1, 0):
@@ -147,10 +149,12 @@ def _npz_arrays(archive: zipfile.ZipFile, path: str | os.PathLike) -> Tensors:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
             if dtype.hasobject:
                 raise CheckpointError(
-                    path, "holds object arrays (pickled Python objects), which vitkit never loads because unpickling "
+                    path,
+                    "holds object arrays (pickled Python objects), which vitkit never loads because unpickling "
                     "runs code; a ViT checkpoint has numeric arrays only. Re-save it from its own trusted code without "
-                    "them.", key,
-                )  # fmt: skip
+                    "them.",
+                    key,
+                )
             size = math.prod(shape) * dtype.itemsize
             held = info.file_size - f.tell()
             if size != held:

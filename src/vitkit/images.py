@@ -45,9 +45,10 @@ def _open(path: str | os.PathLike, max_pixels: int, data: bytes | None = None):
     if width * height > max_pixels:
         im.close()
         raise ImageError(
-            path, f"{width} x {height} = {width * height:,} pixels, more than the limit of {max_pixels:,}: refused "
+            path,
+            f"{width} x {height} = {width * height:,} pixels, more than the limit of {max_pixels:,}: refused "
             "without decoding (a decompression bomb?). Resize it, or raise vitkit.images.MAX_PIXELS if you trust it.",
-        )  # fmt: skip
+        )
     if width < 1 or height < 1:
         im.close()
         raise ImageError(path, f"an image of {width} x {height} pixels.")

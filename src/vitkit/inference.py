@@ -1,7 +1,7 @@
 """Inference-ready models: `optimize(model, precision)` returns a frozen copy that computes the same logits
 faster on the machine at hand.
 
-What it does (each step measured on the machine it was written on; figures in docs/PERFORMANCE.md):
+What it does (each step kept where it paid; figures in docs/PERFORMANCE.md):
 - a copy in eval mode with every parameter frozen, so no autograd state is kept;
 - bf16: the weights cast to bfloat16 once (instead of an autocast cast of every weight at every call); the
   model casts its input to its own dtype, the logits come back in bf16;
@@ -12,7 +12,7 @@ What it does (each step measured on the machine it was written on; figures in do
   too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
 
-bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
+bf16 is only fast where the hardware has it: CUDA GPUs with bf16 units, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere oneDNN emulates it and it is several times slower than fp32: `precision="auto"` then picks fp32,
 and an explicit `"bf16"` warns.
 """
@@ -20,67 +20,23 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
-import sysconfig
 import typing
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import LIBRARIES, Linear, avx512, fp32_library, library_available
+from . import machine
+from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
 
-PRECISIONS = ("auto", "fp32", "bf16")
-
-
-def bf16_is_native(device: torch.device | str = "cpu") -> bool:
-    """Whether `device` has bfloat16 arithmetic in hardware (not emulated in fp32)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type == "cpu":
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return False
-
-
-def compiler_present(device: torch.device) -> bool:
-    """Whether torch.compile's default backend can build code here: Triton for CUDA; for a CPU a C++ compiler
-    and Python's C headers (inductor's CPU kernels are Python extensions; Debian ships them in python3-dev)."""
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return has_triton()
-    if not (Path(sysconfig.get_path("include")) / "Python.h").is_file():
-        return False
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        get_cpp_compiler()  # runs `g++ --version` (or $CXX's), raising when there is none
-    except Exception:
-        return False
-    return True
-
-
-def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
-    """ "auto" -> "bf16" where it is native on `device`, else "fp32"; "fp32" and "bf16" stay as they are."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is unknown: choose one of {', '.join(PRECISIONS)}.")
-    if precision == "auto":
-        return "bf16" if bf16_is_native(device) else "fp32"
-    return precision
-
-
 # fp32: MKL's packed GEMM is packed for one number of rows (`_mkl_linear` falls back to `F.linear` for any other), so
-# each row count gets its own packing, made at its first call. Measured against the plain model (ViT-S/16 and
-# ViT-B/16 on AVX-512, docs/PERFORMANCE.md): 1.23-1.32x at batch 1 (197 rows), 1.09x at batch 8 (1,576 rows),
-# 0.92x at batch 64 (12,608 rows); above `PACKED_MAX_ROWS` the layer calls `F.linear`.
+# each row count gets its own packing, made at its first call. It pays up to a few thousand rows (batch 8 of a
+# 224 px model), not at batch 64; above `PACKED_MAX_ROWS` the layer calls `F.linear`.
 # bf16: oneDNN's packing takes a hint of the number of rows, which sets the blocking of its kernel; any packing
-# serves every size. Packed for the row count instead, against a hint of 1 (whole models, side by side, Emerald
-# Rapids Xeon with AMX): ViT-S/16 1.01-1.18x at batch 8 and 0.99-1.00x at batch 1, ViT-B/16 1.10-1.22x at batch 8
-# and 1.05-1.16x at batch 1; at batch 64 ViT-S/16 1.11x but ViT-B/16 0.97x, so above `PACKED_MAX_ROWS` the hint
-# stays 1. (The first Xeon, earlier: 1.14x against 1.06x over the plain model at batch 1, 1.16x against 1.21x at 8.)
+# serves every size. Packing for the row count beats a hint of 1 up to `PACKED_MAX_ROWS`; above it the hint stays 1.
+# Figures in docs/PERFORMANCE.md.
 PACKED_MAX_ROWS = 2048
 MAX_PACKINGS = 8  # row counts kept per layer (each one a copy of the weight); the oldest is dropped first
 
@@ -152,17 +108,15 @@ def packing_available(precision: str) -> bool:
     """Whether this CPU's torch can pack linear weights for `precision` ("fp32": with `fp32_library()`; "bf16":
     oneDNN, and only where bf16 is native)."""
     if precision == "bf16":
-        return library_available("onednn") and bf16_is_native("cpu")
+        return library_available("onednn") and machine.bf16_is_native("cpu")
     return library_available(fp32_library())
 
 
 def packing_pays(precision: str) -> bool:
-    """Whether `optimize` packs by default. fp32: where the CPU has AVX-512, up to `PACKED_MAX_ROWS` rows (ViT-S/16
-    and ViT-B/16 ran 1.09-1.32x at batch 1 and 8 there); not with AVX2 only, where it did not pay (an AMD EPYC Zen 3:
-    the copy packed for oneDNN ran 0.94-1.04x of the plain model, for MKL 0.96-1.00x; a Xeon limited to AVX2 1.03x).
-    bf16: wherever bf16 is native, for the number of rows up to `PACKED_MAX_ROWS` and above it with the packing for
-    1 row."""
-    return packing_available(precision) and (precision == "bf16" or avx512())
+    """Whether `optimize` packs by default. fp32: where the CPU has AVX-512, up to `PACKED_MAX_ROWS` rows; not with
+    AVX2 only, where it does not pay. bf16: wherever bf16 is native, for the number of rows up to `PACKED_MAX_ROWS`
+    and above it with the packing for 1 row."""
+    return packing_available(precision) and (precision == "bf16" or machine.avx512())
 
 
 def optimize(
@@ -181,8 +135,8 @@ def optimize(
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() takes a model (nn.Module), got {type(model).__name__}.")
     device = next(model.parameters()).device
-    precision = resolve_precision(precision, device)
-    if precision == "bf16" and not bf16_is_native(device):
+    precision = machine.resolve_precision(precision, device)
+    if precision == "bf16" and not machine.bf16_is_native(device):
         warnings.warn(
             f"bf16 is emulated on this {device.type} (no native bf16 instructions): it runs slower than fp32 here. "
             'Use precision="fp32" (or "auto") for speed.',
@@ -196,8 +150,10 @@ def optimize(
     if pack is None:
         pack = device.type == "cpu" and not compile and packing_pays(precision)
     elif pack and not (device.type == "cpu" and packing_available(precision)):
-        raise ValueError(f"pack=True: this {device.type} cannot pack {precision} linear weights (MKL for fp32; oneDNN "
-                         "with native bf16 for bf16); leave pack=None to pack where it can.")  # fmt: skip
+        raise ValueError(
+            f"pack=True: this {device.type} cannot pack {precision} linear weights (MKL for fp32; oneDNN "
+            "with native bf16 for bf16); leave pack=None to pack where it can."
+        )
     if pack:
         _replace_linears(fast)
     if compile:  # freezing: weights become constants the compiler can pack and fold

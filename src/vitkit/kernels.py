@@ -1,38 +1,21 @@
-"""Which CPU library runs a linear layer's fp32 GEMM, and `linear`, the model's linear layer that uses it.
+"""The model's two kernels, beside it: `linear` (which CPU library runs a linear layer's fp32 GEMM) and `attend`
+(which attention kernel runs softmax(q k^T / sqrt(d) + bias) v).
 
-PyTorch runs fp32 matrix products on x86 CPUs with MKL, whose fast code paths are for Intel's CPUs: on AMD's it
-takes a generic AVX2 one. oneDNN (also inside PyTorch) runs AVX-512 on both. Measured as single GEMMs at ViT-S/16's
-shapes (docs/PERFORMANCE.md): on an AMD EPYC Zen 5 oneDNN's forward and input gradient ran 2.0-2.3x MKL's and the
-weight gradient 1.6-1.9x; on a Zen 4 the forward 1.27-1.50x and the input gradient 0.96-1.19x; on an Intel Xeon
-0.97x. So on CPUs with AVX-512 that are not Intel's, `linear` computes fp32 layers with oneDNN, in training too
-(whole fp32 training steps on the Zen 5: ViT-S/16 1.58x, ViT-B/16 1.75x; compiled 1.45x), and everywhere else it is
-`F.linear`.
+PyTorch runs fp32 matrix products on x86 CPUs with MKL, whose fast code paths are for Intel's CPUs: on others it
+takes a generic one. oneDNN (also inside PyTorch) runs AVX-512 on every vendor's CPUs. So on CPUs with AVX-512 that
+are not Intel's, `linear` computes fp32 layers with oneDNN, in training too, and everywhere else it is `F.linear`
+(figures in docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
-
-import ctypes
-import functools
-import platform
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import machine
+
 LIBRARIES = ("mkl", "onednn")
-
-
-@functools.cache
-def cpu_is_intel() -> bool:
-    """Whether this CPU is Intel's (MKL's fast code paths are for Intel CPUs; on others it takes generic ones)."""
-    name = torch.cpu.get_capabilities().get("cpu_name", "") if hasattr(torch.cpu, "get_capabilities") else ""
-    if not name:
-        try:
-            name = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            return True  # unknown: keep the default of torch's own fp32 GEMM (MKL)
-    return "intel" in name.lower()
 
 
 def library_available(library: str) -> bool:
@@ -43,24 +26,15 @@ def library_available(library: str) -> bool:
 
 
 def fp32_library() -> str:
-    """The library that runs fp32 linears fastest here: MKL's packed GEMM on Intel CPUs (1.09-1.32x over the plain
-    model on the Xeons), oneDNN's elsewhere (AMD EPYC Zen 4: single GEMMs 1.4x over torch's MKL; see
-    docs/PERFORMANCE.md)."""
-    return "mkl" if library_available("mkl") and (cpu_is_intel() or not library_available("onednn")) else "onednn"
-
-
-def avx512() -> bool:
-    """Whether ATen runs this CPU's AVX-512 kernels (the fp32 speed-ups measured on AVX-512 CPUs need it)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    """The library that runs fp32 linears fastest here: MKL's packed GEMM on Intel CPUs, oneDNN's elsewhere."""
+    mkl = library_available("mkl") and (machine.cpu_is_intel() or not library_available("onednn"))
+    return "mkl" if mkl else "onednn"
 
 
 def onednn_fp32() -> bool:
     """Whether `linear` should run fp32 layers with oneDNN here: on x86 CPUs with AVX-512 whose fp32 library is
-    oneDNN's. With AVX2 only, oneDNN's GEMMs are no faster than MKL's: on the Zen 5 with both limited to AVX2 the
-    forward ran 1.0-1.1x, the weight gradient 0.85x, whole training steps 0.87-1.05x; on an AVX2-only AMD EPYC Zen 3,
-    at the main job's shapes, the forward 0.85-1.1x and the weight gradient 0.3-0.6x."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return x86 and avx512() and fp32_library() == "onednn" and library_available("onednn")
+    oneDNN's. With AVX2 only, oneDNN's GEMMs are no faster than MKL's (its weight gradient is slower)."""
+    return machine.x86() and machine.avx512() and fp32_library() == "onednn" and library_available("onednn")
 
 
 # Decided once, at import: a constant, which `torch.compile` reads without tracing the probes (a graph break).
@@ -109,9 +83,8 @@ def _gradients(ctx, grad: torch.Tensor):
 onednn_linear.register_autograd(_gradients, setup_context=_save)
 
 _PLAIN = (torch.Tensor, nn.Parameter)
-# Under `torch.compile` a layer runs by oneDNN only when it has at least this many inputs and outputs: the compiled
-# fp32 training step of ViT-S/16 (384 wide) ran 1.45x with oneDNN's layers, the main job's (96 wide) 0.92-1.06x, where
-# the GEMMs are too small to pay for an opaque call in place of the compiler's own.
+# Under `torch.compile` a layer runs by oneDNN only when it has at least this many inputs and outputs: smaller GEMMs
+# do not pay for an opaque call in place of the compiler's own.
 COMPILED_MIN_FEATURES = 256
 
 
@@ -143,32 +116,75 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-# glibc's malloc hands freed memory back to the system: a block above M_MMAP_THRESHOLD (128 KiB at first) is unmapped
-# when freed, and the top of the heap is cut back once more than M_TRIM_THRESHOLD lies free there. A training step
-# frees all its activations at its end, so the next step maps them again and takes a page fault on every 4 KiB page
-# it touches: 2,100 faults a step in the main job (`vitkit train`), 3,600-8,500 in a bare loop of its step. Kept
-# (these thresholds), they fell to under 50, and on a 2-core AMD EPYC Zen 3 (AVX2, under KVM) the bare compiled step
-# ran 1.2-1.5x and the main job's training 1.06x (docs/PERFORMANCE.md).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
-MMAP_THRESHOLD = 256 << 20  # blocks up to this size come from the heap (glibc's dynamic threshold stops at 32 MiB)
-TRIM_THRESHOLD = 1 << 30  # free memory kept at the top of the heap before it is returned
+# Attention. SDPA everywhere, except on a CPU: training under `torch.compile` takes the written-out attention (the
+# compiler fuses its scale, softmax and casts around the two matmuls), and bf16 inference on a CPU with AVX-512 BF16
+# but no AMX takes the same two matmuls a few images at a time (SDPA's bf16 kernel is slow there; with AMX it is
+# fast). Figures in docs/PERFORMANCE.md.
 
 
-def glibc() -> ctypes.CDLL | None:
-    """This process's C library where it is glibc (whose malloc `retain_freed_memory` sets), else None."""
-    try:
-        libc = ctypes.CDLL(None)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "gnu_get_libc_version") else None  # only glibc has it
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d): `attend_sdpa`; `attend_explicit` when a CPU trains
+    under `torch.compile`; `attend_bf16_cpu` for bf16 inference on a CPU with AVX-512 BF16 but no AMX."""
+    if torch.compiler.is_compiling() and _cpu_training(q):
+        return attend_explicit(q, k, v, bias, dropout_p)[0]
+    inference = not dropout_p and not _cpu_training(q) and not torch.compiler.is_compiling()
+    if inference and q.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_bf16_without_amx():
+        return attend_bf16_cpu(q, k, v, bias)
+    return attend_sdpa(q, k, v, bias, dropout_p)
 
 
-def retain_freed_memory() -> bool:
-    """Let glibc's malloc keep freed memory for the next allocation instead of returning it to the system (and
-    faulting it in again): for a process that runs the same steps over and over, as `vitkit` commands do (the CLI
-    calls it). Process-wide and for good: a script that trains calls it once at its start. Returns False where the C
-    library is not glibc (nothing changes there)."""
-    libc = glibc()
-    if libc is None:
-        return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+def _cpu_training(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled()
+
+
+def _cpu_bf16_without_amx() -> bool:
+    """AVX-512 BF16 but no AMX. (Where bf16 is emulated, SDPA's kernel, which computes in fp32, stays.)"""
+    return machine.avx512_bf16() and not machine.amx()
+
+
+def attend_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """`attend` by `F.scaled_dot_product_attention`. Training in bf16 on a CPU, it runs in fp32 and rounds the
+    result to bf16: PyTorch's bf16 attention backward on CPUs is slower than fp32's, casts included."""
+    if q.dtype == torch.bfloat16 and _cpu_training(q):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back to bf16
+            mask = None if bias is None else bias.float()
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+
+
+# attend_bf16_cpu works through the batch in pieces of at most this many attention logits (B*H*N*N), which keep
+# the (N, N) logits in cache.
+BF16_CPU_LOGITS = 2**22
+
+
+def attend_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`attend` in bf16 on a CPU with AVX-512 BF16 but no AMX: two batched bf16 matmuls (fp32 accumulation) and a
+    bf16 softmax (computed in fp32 inside the kernel), a few images at a time. Its logits stay as close to fp32
+    attention's as SDPA's do."""
+    b, h, n, _ = q.shape
+    step = max(1, BF16_CPU_LOGITS // (h * n * k.shape[-2]))
+    q = q * q.shape[-1] ** -0.5
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    for i in range(0, b, step):
+        logits = q[i : i + step] @ k[i : i + step].transpose(-2, -1)  # (b, H, N, N)
+        if bias is not None:  # shared by the batch, or one per image
+            logits = logits + (bias[i : i + step] if bias.dim() == 4 and bias.shape[0] > 1 else bias)
+        torch.matmul(logits.softmax(dim=-1), v[i : i + step], out=out[i : i + step])
+    return out
+
+
+def attend_explicit(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` written out, and the attention probabilities (B, H, N, N): the two matmuls in q's dtype (or
+    autocast's), the softmax in fp32."""
+    logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, H, N, N)
+    if bias is not None:
+        logits = logits + bias
+    probs = logits.float().softmax(dim=-1).to(v.dtype)
+    return (F.dropout(probs, dropout_p) @ v if dropout_p else probs @ v), probs

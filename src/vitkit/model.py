@@ -10,7 +10,6 @@ The module is organised in that order: position embeddings, MLP, attention, enco
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -20,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ViTConfig
 from .hybrid import ResNetStem
-from .kernels import Linear, linear
+from .kernels import Linear, attend, attend_explicit, linear
 
 # ----------------------------------------------------------------------------------------------------------
 # Position embeddings (E_pos of eq. 1, and the paper's Appendix D.4 ablations). Each kind is a module that
@@ -190,8 +189,8 @@ def build_posemb(config: ViTConfig) -> Posemb:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# MLP and multi-head self-attention (the two sub-layers of eqs. 2 and 3). Their linear layers are `kernels.Linear`:
-# nn.Linear, with its fp32 product computed by oneDNN on CPUs where MKL is slow (AMD's).
+# MLP and multi-head self-attention (the two sub-layers of eqs. 2 and 3). Their linear layers are `kernels.Linear`
+# and their attention is `kernels.attend`: the same arithmetic, by the fastest kernel for the machine.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -209,83 +208,11 @@ class MlpBlock(nn.Module):
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
-) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d): `attend_sdpa`; `attend_explicit` when a CPU trains
-    under `torch.compile` (the compiler fuses the written-out scale, softmax and casts around two batched matmuls:
-    the main job's compiled bf16 training step ran 1.12-1.19x faster than with SDPA compiled); and
-    `attend_bf16_cpu` for bf16 inference on a CPU with AVX-512 BF16 but no AMX, where SDPA's bf16 kernel is slow
-    (AMD EPYC Zen 4: ViT-S/16 1.05-1.10x; with AMX SDPA is faster; docs/PERFORMANCE.md)."""
-    if torch.compiler.is_compiling() and _cpu_training(q):
-        return attend_explicit(q, k, v, bias, dropout_p)
-    inference = not dropout_p and not _cpu_training(q) and not torch.compiler.is_compiling()
-    if inference and q.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_bf16_without_amx():
-        return attend_bf16_cpu(q, k, v, bias)
-    return attend_sdpa(q, k, v, bias, dropout_p)
-
-
-def _cpu_training(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled()
-
-
-@functools.cache
-def _cpu_bf16_without_amx() -> bool:
-    """AVX-512 BF16 but no AMX. (Where bf16 is emulated, SDPA's kernel, which computes in fp32, stays.)"""
-    return bool(torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
-
-
-def attend_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
-) -> torch.Tensor:
-    """`attend` by `F.scaled_dot_product_attention`. Training in bf16 on a CPU, it runs in fp32 and rounds the
-    result to bf16: PyTorch's bf16 attention backward on CPUs is 1.4x (ViT-B/16) to 5x (16-wide heads) slower
-    than fp32's, casts included (docs/PERFORMANCE.md)."""
-    if q.dtype == torch.bfloat16 and _cpu_training(q):
-        with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back to bf16
-            mask = None if bias is None else bias.float()
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
-        return y.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
-
-
-# attend_bf16_cpu works through the batch in pieces of at most this many attention logits (B*H*N*N), which keep
-# the (N, N) logits in cache: ViT-S/16 at batch 64 ran 0.95x of SDPA in one piece.
-BF16_CPU_LOGITS = 2**22
-
-
-def attend_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`attend` in bf16 on a CPU with AVX-512 BF16 but no AMX: two batched bf16 matmuls (fp32 accumulation) and a
-    bf16 softmax (computed in fp32 inside the kernel), a few images at a time. Its logits stay as close to fp32
-    attention's as SDPA's do."""
-    b, h, n, _ = q.shape
-    step = max(1, BF16_CPU_LOGITS // (h * n * k.shape[-2]))
-    q = q * q.shape[-1] ** -0.5
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    for i in range(0, b, step):
-        logits = q[i : i + step] @ k[i : i + step].transpose(-2, -1)  # (b, H, N, N)
-        if bias is not None:  # shared by the batch, or one per image
-            logits = logits + (bias[i : i + step] if bias.dim() == 4 and bias.shape[0] > 1 else bias)
-        torch.matmul(logits.softmax(dim=-1), v[i : i + step], out=out[i : i + step])
-    return out
-
-
-def attend_explicit(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
-) -> torch.Tensor:
-    """`attend` written out: the two matmuls in q's dtype (or autocast's), the softmax in fp32."""
-    logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, H, N, N)
-    if bias is not None:
-        logits = logits + bias
-    probs = logits.float().softmax(dim=-1).to(v.dtype)
-    return F.dropout(probs, dropout_p) @ v if dropout_p else probs @ v
-
-
 class Attention(nn.Module):
     """Multi-head self-attention with fused q, k, v projections (Appendix A).
 
-    The fast path is `attend` (fused attention); when the attention probabilities are asked for,
-    the same computation is written out with an explicit softmax and the probabilities are returned.
+    The fast path is `kernels.attend` (fused attention); when the attention probabilities are asked for, the same
+    computation is written out with an explicit softmax (`kernels.attend_explicit`) and the probabilities returned.
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool, attention_dropout: float):
@@ -306,15 +233,10 @@ class Attention(nn.Module):
         p_drop = self.attention_dropout if self.training else 0.0
         if bias is not None:
             bias = bias[..., :queries, :].to(q.dtype)
-        if need_weights:
-            logits = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, H, N, N)
-            if bias is not None:
-                logits = logits + bias
-            probs = logits.softmax(dim=-1)
-            y = F.dropout(probs, p_drop, self.training) @ v
-        else:
-            probs = None
-            y = attend(q, k, v, bias, p_drop)
+        if need_weights:  # softmax(q k^T / sqrt(d) + bias) v written out, keeping the probabilities
+            y, probs = attend_explicit(q, k, v, bias, p_drop)
+        else:  # the same by the fastest kernel for this device and dtype
+            y, probs = attend(q, k, v, bias, p_drop), None
         return self.proj(y.transpose(1, 2).reshape(b, q.shape[2], d)), probs
 
 
@@ -425,8 +347,7 @@ class VisionTransformer(nn.Module):
     def patch_embed(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> x_p E (B, gh*gw, D): each P x P patch flattened (channel, row, column, the order of the
         Conv2d weight E is stored in) and multiplied by E. This is the strided convolution written as the matrix
-        product it is; its backward is one GEMM, where the convolution's took 3.6 ms a step on the main job's
-        model, 8% of a compiled training step on a CPU."""
+        product it is; its backward is one GEMM, cheaper than the convolution's on a CPU."""
         (b, c, h, w), (ph, pw) = x.shape, self.embedding.stride  # stride = kernel size, no padding
         patches = x.reshape(b, c, h // ph, ph, w // pw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * ph * pw)
         return linear(patches, self.embedding.weight.flatten(1), self.embedding.bias)
@@ -443,7 +364,7 @@ class VisionTransformer(nn.Module):
 
         `pooled_only` with a class token: the last layer computes the class token's row alone, z_L^0 of eq. (4),
         (B, 1, D). Its other rows reach nothing the head reads; skipping them leaves the logits as they are and
-        saves most of a layer (the main job's 4-layer model: 15% of the FLOPs; ViT-B/16: 6%)."""
+        saves most of a layer."""
         biases = self.posemb.attention_bias()
         last = len(self.blocks) - 1 if pooled_only and self.cls_token is not None else None
         for i, block in enumerate(self.blocks):

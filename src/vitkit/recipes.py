@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import machine
 from .config import check_fields, check_type
 from .distributed import STRATEGIES, World
-from .inference import PRECISIONS, compiler_present  # precision auto: bf16 where native
+from .machine import PRECISIONS
 
 # The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
@@ -33,9 +34,8 @@ OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.
 
 
 def fused_pays(groups: list[dict[str, Any]]) -> bool | None:
-    """Adam's fused kernel (one pass over all parameters) where it runs: plain CPU or CUDA tensors. For the main
-    job's 60 small tensors on a CPU it took 0.9 ms a step against 4.6 ms for the per-tensor loop. None (torch's
-    choice) for sharded (DTensor) parameters."""
+    """Adam's fused kernel (one pass over all parameters, where the per-tensor loop costs a call per small tensor)
+    where it runs: plain CPU or CUDA tensors. None (torch's choice) for sharded (DTensor) parameters."""
     params = [p for g in groups for p in g["params"]]
     plain = all(type(p) is nn.Parameter and p.device.type in ("cpu", "cuda") for p in params)
     return True if plain and params else None
@@ -53,11 +53,19 @@ MAIN_JOB_MODEL_ARGS = {"hidden_size": 96, "num_layers": 4, "mlp_dim": 192, "num_
 # The experiments' model (the main job's before 0.2): ViT-Ti/4 at 64 wide, 7x7 = 49 patches + class token.
 SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
 # The main job's recipe before 0.2, which the experiments keep, so that their runs and results stay as recorded.
-SMALL_RECIPE = {"model": "ViT-Ti/4", "lr": 2e-3, "weight_decay": 0.05, "betas": (0.9, 0.999), "label_smoothing": 0.0,
-                "epochs": 6.0, "precision": "fp32", "compile": False, "schedule": "cosine"}  # fmt: skip
-# `compile=None` (auto) compiles a run of at least this many optimiser steps: compiling takes 40-75 s on 2 CPU
-# cores from a cold cache (seconds from a warm one), and the compiled bf16 step of the main job saved about 25 ms
-# (1.6x), so it pays after some 1,500-3,000 steps.
+SMALL_RECIPE = {
+    "model": "ViT-Ti/4",
+    "lr": 2e-3,
+    "weight_decay": 0.05,
+    "betas": (0.9, 0.999),
+    "label_smoothing": 0.0,
+    "epochs": 6.0,
+    "precision": "fp32",
+    "compile": False,
+    "schedule": "cosine",
+}
+# `compile=None` (auto) compiles a run of at least this many optimiser steps: compiling costs about a minute on a
+# small CPU, which the faster compiled step pays back after a few thousand steps (docs/PERFORMANCE.md).
 AUTO_COMPILE_STEPS = 2000
 
 # `vitkit finetune`: the official fine-tuning recipe, applied before the user's own overrides.
@@ -86,7 +94,7 @@ def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
         return False
     if config.strategy == "fsdp" and world.size > 1:
         return False
-    return compiler_present(world.device)
+    return machine.compiler_present(world.device)
 
 
 def _field(default: Any, help: str, choices: Any = None) -> Any:
@@ -105,9 +113,7 @@ class TrainConfig:
 
     The defaults are the main job: a small ViT on Fashion-MNIST, Adam(W) with warmup and linear decay (the paper's
     pre-training schedule), for 20 epochs. Its weight decay is the paper's 0.1, Adam's B2 0.98 where the paper has
-    0.999: at 20 epochs the pair gave 90.13-90.16% test top-1 (two seeds) against 89.86% with (0.999, 0.05), and lr
-    4e-3 90.30%. Linear decay against cosine, 8 seeds side by side: 90.06-90.39% (mean 90.20%) against
-    89.64-90.44% (mean 90.04%).
+    0.999, and linear decay rather than cosine: each gave the higher test accuracy side by side (docs/MAIN_JOB.md).
     """
 
     # data
@@ -204,8 +210,16 @@ class TrainConfig:
             raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1).")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping).")
-        for name, low in (("threads", 0), ("workers", 0), ("eval_every", 0), ("mixup", 0), ("momentum", 0),
-                          ("eval_batch_size", 1), ("log_every", 1), ("image_size", 1)):  # fmt: skip
+        for name, low in (
+            ("threads", 0),
+            ("workers", 0),
+            ("eval_every", 0),
+            ("mixup", 0),
+            ("momentum", 0),
+            ("eval_batch_size", 1),
+            ("log_every", 1),
+            ("image_size", 1),
+        ):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name}={value} is invalid: allowed values are >= {low}.")

@@ -80,8 +80,17 @@ class RunDir:
             self._tensorboard.close()
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT, SHARDED_CHECKPOINT, "model.safetensors", "best.safetensors",
-             "summary.json", "curves.png", "confusion.png")  # fmt: skip
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    CHECKPOINT,
+    SHARDED_CHECKPOINT,
+    "model.safetensors",
+    "best.safetensors",
+    "summary.json",
+    "curves.png",
+    "confusion.png",
+)
 
 
 def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True) -> None:

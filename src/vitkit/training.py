@@ -51,7 +51,7 @@ from .distributed import (
 from .efficiency import count_params
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
-from .inference import resolve_precision
+from .machine import resolve_precision
 from .model import VisionTransformer
 from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable, should_compile
 from .runs import (
@@ -69,8 +69,20 @@ from .shards import ShardedDataset, check_data_order
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
 MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]  # (uint8 images, labels)
-ARCHITECTURE_FIELDS = {"hidden_size", "num_layers", "mlp_dim", "num_heads", "patch_size", "classifier", "posemb",
-                       "in_chans", "hybrid", "representation_size", "qkv_bias", "layer_scale_init"}  # fmt: skip
+ARCHITECTURE_FIELDS = {
+    "hidden_size",
+    "num_layers",
+    "mlp_dim",
+    "num_heads",
+    "patch_size",
+    "classifier",
+    "posemb",
+    "in_chans",
+    "hybrid",
+    "representation_size",
+    "qkv_bias",
+    "layer_scale_init",
+}
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,11 @@ def initial_model(config: TrainConfig, dataset) -> Model:
         # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
         # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
         asked = dataclasses.replace(model.config, **structural)
-        differ = [f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}" for k in sorted(structural)
-                  if getattr(model.config, k) != getattr(asked, k)]  # fmt: skip
+        differ = [
+            f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}"
+            for k in sorted(structural)
+            if getattr(model.config, k) != getattr(asked, k)
+        ]
         if differ:
             raise ValueError(
                 f"checkpoint {config.checkpoint} is another architecture than model_args ask for: {', '.join(differ)} "
@@ -218,8 +233,9 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
         state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
 
     final: EvalResult | None = None
-    bar = tqdm(total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step",
-               dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step", dynamic_ncols=True
+    )
     model.train()
     with StopRequest() as stop:
         micro_batches = None
@@ -231,13 +247,16 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
             if state.step % config.log_every == 0 or state.step == plan.total:
                 record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, config.batch_size)
                 run.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}",
-                                img_s=f"{record['images_per_s']:.0f}")  # fmt: skip
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}", img_s=f"{record['images_per_s']:.0f}"
+                )
             if state.step % plan.eval_interval == 0 or state.step == plan.total:
                 final = run_evaluation(state, test_set)
                 if world.is_main:
-                    bar.write(f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
-                              f"top-5 {100 * final.top5:.2f}%")  # fmt: skip
+                    bar.write(
+                        f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
+                        f"top-5 {100 * final.top5:.2f}%"
+                    )
                 save_checkpoint(state)
             if any_process(stop.requested or (stop_after is not None and state.step >= stop_after), world):
                 break
@@ -371,9 +390,15 @@ def epoch_micro_batches(dataset, state: TrainState) -> MicroBatches:
     if isinstance(dataset, ShardedDataset):
         accumulation = config.accumulation_steps
         return dataset.stream(
-            epoch=epoch, seed=config.seed, rank=world.rank, world_size=world.size, workers=config.workers,
-            micro=plan.micro, start=start * accumulation, stop=plan.steps_per_epoch * accumulation,
-        )  # fmt: skip
+            epoch=epoch,
+            seed=config.seed,
+            rank=world.rank,
+            world_size=world.size,
+            workers=config.workers,
+            micro=plan.micro,
+            start=start * accumulation,
+            stop=plan.steps_per_epoch * accumulation,
+        )
     sampler: DistributedSampler[int] = DistributedSampler(
         dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=config.seed, drop_last=True
     )
@@ -403,9 +428,14 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
         if not len(labels):  # every image file of the micro-batch was unreadable (skipped, and counted)
             continue
         x, targets = train_batch(
-            images, labels, draws[m * micro : m * micro + len(labels)], model.config.image_size, state.augment,
-            model.config.num_classes, model.config.in_chans,
-        )  # fmt: skip
+            images,
+            labels,
+            draws[m * micro : m * micro + len(labels)],
+            model.config.image_size,
+            state.augment,
+            model.config.num_classes,
+            model.config.in_chans,
+        )
         x, targets, labels = x.to(world.device), targets.to(world.device), labels.to(world.device)
         # DDP and FSDP reduce the gradients over processes on the last micro-batch of the step only.
         with gradient_sync(state.net, m == config.accumulation_steps - 1):
@@ -423,14 +453,7 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     if any_process(not finite, world):
         state.optimizer.zero_grad(set_to_none=True)
         if config.nonfinite == "stop":
-            raise NonFiniteError(
-                f"step {state.step}: non-finite {'loss' if not torch.isfinite(loss) else 'gradient'} "
-                f"(loss {float(loss.detach()):g}, gradient norm {float(norm):g}); the run stopped without applying it. "
-                + (f"The newest checkpoint, step {state.saved_step}, is the last good state: continue with "
-                   f"`vitkit train --resume {state.run.path}` " if state.saved_step is not None else "No checkpoint "
-                   "was saved yet: start again ")
-                + "with a lower --lr, or pass --nonfinite skip to skip such steps."
-            )  # fmt: skip
+            raise nonfinite_error(state, loss, norm)
         state.skipped_steps += 1
     else:
         state.optimizer.step()
@@ -441,15 +464,43 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     return lr
 
 
+def nonfinite_error(state: TrainState, loss: torch.Tensor, norm: torch.Tensor) -> NonFiniteError:
+    """The error that stops a run at a step with a non-finite loss or gradient: what was met, and how to go on."""
+    what = "loss" if not torch.isfinite(loss) else "gradient"
+    if state.saved_step is not None:
+        restart = (
+            f"The newest checkpoint, step {state.saved_step}, is the last good state: continue with "
+            f"`vitkit train --resume {state.run.path}` "
+        )
+    else:
+        restart = "No checkpoint was saved yet: start again "
+    return NonFiniteError(
+        f"step {state.step}: non-finite {what} (loss {float(loss.detach()):g}, gradient norm {float(norm):g}); "
+        f"the run stopped without applying it. {restart}with a lower --lr, or pass --nonfinite skip to skip such steps."
+    )
+
+
 def run_evaluation(state: TrainState, test_set) -> EvalResult:
     """Evaluate on the test split, log it, and keep the model as best.safetensors when its top-1 is the best."""
     config = state.config
     result = evaluate(
-        state.model, test_set, batch_size=config.eval_batch_size, precision=config.precision, world=state.world,
+        state.model,
+        test_set,
+        batch_size=config.eval_batch_size,
+        precision=config.precision,
+        world=state.world,
         workers=config.workers,
-    )  # fmt: skip
-    state.run.log({"split": "test", "step": state.step, "epoch": state.step / state.plan.steps_per_epoch,
-                   "loss": result.loss, "top1": result.top1, "top5": result.top5})  # fmt: skip
+    )
+    state.run.log(
+        {
+            "split": "test",
+            "step": state.step,
+            "epoch": state.step / state.plan.steps_per_epoch,
+            "loss": result.loss,
+            "top1": result.top1,
+            "top5": result.top5,
+        }
+    )
     if result.top1 > state.best_top1:  # the same on every process: the counts are summed over all
         state.best_top1 = result.top1
         save_model(state, "best.safetensors")
@@ -526,9 +577,18 @@ def finish(
         save_model(state, "model.safetensors")
     if not interrupted and state.world.is_main:
         plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
-    result = TrainResult(state.run.path, state.step, state.plan.total, interrupted, final, state.best_top1,
-                         state.elapsed, state.wall_before + time.perf_counter() - started, state.skipped_steps,
-                         sum(len(getattr(d, "skipped", ())) for d in datasets))  # fmt: skip
+    result = TrainResult(
+        state.run.path,
+        state.step,
+        state.plan.total,
+        interrupted,
+        final,
+        state.best_top1,
+        state.elapsed,
+        state.wall_before + time.perf_counter() - started,
+        state.skipped_steps,
+        sum(len(getattr(d, "skipped", ())) for d in datasets),
+    )
     if state.world.is_main:
         state.run.write_json("summary.json", summary_dict(result, state.config, state.model))
         print(format_summary(result, state.config, state.model), flush=True)

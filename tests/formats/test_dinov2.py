@@ -6,10 +6,17 @@ import torch
 from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
 
 import vitkit
-from conftest import perturbed
+from helpers import perturbed
 
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=4, image_size=32, patch_size=4,
-            layerscale_value=0.5)  # fmt: skip
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    mlp_ratio=4,
+    image_size=32,
+    patch_size=4,
+    layerscale_value=0.5,
+)
 
 
 @pytest.fixture

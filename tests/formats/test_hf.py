@@ -8,11 +8,18 @@ from transformers import ViTConfig as HFConfig
 from transformers import ViTForImageClassification, ViTModel
 
 import vitkit
-from conftest import perturbed, tiny
+from helpers import perturbed, tiny
 from vitkit import VisionTransformer, ViTConfig
 
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
-            patch_size=8, num_labels=4)  # fmt: skip
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    image_size=32,
+    patch_size=8,
+    num_labels=4,
+)
 CASES = {
     "token_labels": dict(id2label={0: "ant", 1: "bee", 2: "cat", 3: "dog"}, label2id={}),
     "wider_tanh_gelu": dict(hidden_size=48, num_attention_heads=3, hidden_act="gelu_pytorch_tanh"),
@@ -78,8 +85,18 @@ def test_hf_vit_model_pooler_is_the_pre_logits_layer(tmp_path):
 
 
 def test_hf_export_loads_in_transformers_with_the_same_outputs_and_labels(tmp_path):
-    config = ViTConfig(image_size=(32, 48), patch_size=8, hidden_size=48, num_layers=2, num_heads=3, mlp_dim=96,
-                       num_classes=3, act="gelu_tanh", layer_norm_eps=1e-12, qkv_bias=False)  # fmt: skip
+    config = ViTConfig(
+        image_size=(32, 48),
+        patch_size=8,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=3,
+        mlp_dim=96,
+        num_classes=3,
+        act="gelu_tanh",
+        layer_norm_eps=1e-12,
+        qkv_bias=False,
+    )
     ours = perturbed(VisionTransformer(config))
     ours.class_names = ["ant", "bee", "cat"]
     vitkit.export(ours, tmp_path / "hf", format="hf")
@@ -129,8 +146,9 @@ def test_hf_export_works_in_the_image_classification_pipeline_with_vitkits_score
     from vitkit.data import read_image, to_input
 
     torch.manual_seed(0)
-    model = vitkit.create_model("ViT-Ti/8", image_size=32, num_classes=5, hidden_size=32, num_layers=2, mlp_dim=64,
-                                num_heads=2)  # fmt: skip
+    model = vitkit.create_model(
+        "ViT-Ti/8", image_size=32, num_classes=5, hidden_size=32, num_layers=2, mlp_dim=64, num_heads=2
+    )
     torch.nn.init.normal_(model.head.weight, std=0.3)
     model.class_names = ["cat", "dog", "fox", "owl", "yak"]
     vitkit.export(model, tmp_path / "hf", format="hf")

@@ -6,7 +6,7 @@ import torch
 from scipy.ndimage import zoom
 
 import vitkit
-from conftest import tiny
+from helpers import tiny
 from vitkit import ResNetConfig, VisionTransformer, ViTConfig
 from vitkit.formats import npz
 

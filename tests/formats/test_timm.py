@@ -10,7 +10,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
 import vitkit
-from conftest import perturbed
+from helpers import perturbed
 from vitkit import VisionTransformer, ViTConfig
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=1, mlp_ratio=2.0, num_classes=5)
@@ -66,7 +66,7 @@ EXPORTS = {  # vitkit config changes: matching timm arguments
             qkv_bias=False,
             act_layer=partial(nn.GELU, approximate="tanh"),
         ),
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -84,8 +84,16 @@ def test_timm_export_loads_strictly_into_timm_with_the_same_outputs(tmp_path, ca
 
 
 def test_vitkit_to_timm_to_vitkit_is_bit_exact_with_class_names(tmp_path):
-    config = ViTConfig(image_size=(32, 48), patch_size=8, hidden_size=48, num_layers=2, num_heads=3, mlp_dim=96,
-                       num_classes=3, layer_scale_init=0.5)  # fmt: skip
+    config = ViTConfig(
+        image_size=(32, 48),
+        patch_size=8,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=3,
+        mlp_dim=96,
+        num_classes=3,
+        layer_scale_init=0.5,
+    )
     model = perturbed(VisionTransformer(config))
     model.class_names = ["cat", "dog", "emu"]
     vitkit.export(model, tmp_path / "t.safetensors", format="timm")
@@ -101,8 +109,7 @@ def test_timm_hub_directory_export_builds_in_timm_from_its_config_alone(tmp_path
     import timm
 
     changes, _ = EXPORTS[case]
-    base = dict(image_size=(32, 48), patch_size=8, hidden_size=64, num_layers=2, num_heads=2, mlp_dim=96,
-                num_classes=3)  # fmt: skip
+    base = dict(image_size=(32, 48), patch_size=8, hidden_size=64, num_layers=2, num_heads=2, mlp_dim=96, num_classes=3)
     ours = perturbed(VisionTransformer(ViTConfig(**base | changes)))
     ours.class_names = ["cat", "dog", "emu"]
     vitkit.export(ours, tmp_path / "hub", format="timm")

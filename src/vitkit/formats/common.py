@@ -82,9 +82,11 @@ def model_from_rules(
     not_float = [k for k, t in tensors.items() if not t.is_floating_point()]
     if not_float:
         raise CheckpointError(
-            path, f"tensors of dtype {tensors[not_float[0]].dtype} where weights must be floating point: "
-            f"{_listing(not_float)}.", key=not_float[0],
-        )  # fmt: skip
+            path,
+            f"tensors of dtype {tensors[not_float[0]].dtype} where weights must be floating point: "
+            f"{_listing(not_float)}.",
+            key=not_float[0],
+        )
     for rule in rules:
         absent = [k for k in rule.theirs if k not in tensors]
         if absent:
@@ -195,9 +197,10 @@ def check_plausible(config: ViTConfig, tensors: Tensors, path: str | os.PathLike
     claimed = layers * (4 * d * d + 2 * d * mlp) + (config.num_patches * d if config.posemb.startswith("learn") else 0)
     if claimed > held:
         raise CheckpointError(
-            path, f"the config claims at least {claimed:,} weights (num_layers={layers}, hidden_size={d}, "
+            path,
+            f"the config claims at least {claimed:,} weights (num_layers={layers}, hidden_size={d}, "
             f"mlp_dim={mlp}, image_size={config.image_size}); the file holds {held:,} values.",
-        )  # fmt: skip
+        )
     if config.num_tokens * d > max(held, 2**26):
         raise CheckpointError(path, f"image_size={config.image_size} gives {config.num_tokens:,} tokens: refused.")
 

@@ -54,8 +54,9 @@ def attention_rules(ours: str, theirs: str, qkv_bias: bool) -> list[Rule]:
     `attn.qkv` and `attn.proj` of block `ours`."""
     q, k, v = (f"{theirs}.attention.attention.{n}" for n in ("query", "key", "value"))
     params = ("weight", "bias") if qkv_bias else ("weight",)
-    fused = [fused_qkv(f"{ours}.attn.qkv.{t}", f"{q}.{t}", f"{k}.{t}", f"{v}.{t}", lambda c: c, lambda c: c)
-             for t in params]  # fmt: skip
+    fused = [
+        fused_qkv(f"{ours}.attn.qkv.{t}", f"{q}.{t}", f"{k}.{t}", f"{v}.{t}", lambda c: c, lambda c: c) for t in params
+    ]
     return fused + linear(f"{ours}.attn.proj", f"{theirs}.attention.output.dense")
 
 
@@ -175,9 +176,15 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     with the `preprocessor_config.json` that `AutoImageProcessor` and `pipeline("image-classification")` read."""
     config = model.config
     require_learned_posemb(config, NAME)
-    unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in
-                   (("classifier", config.classifier == "token"), ("hybrid", not config.hybrid),
-                    ("layer_scale_init", not config.layer_scale_init)) if not ok]  # fmt: skip
+    unsupported = [
+        f"{name}={getattr(config, name)!r}"
+        for name, ok in (
+            ("classifier", config.classifier == "token"),
+            ("hybrid", not config.hybrid),
+            ("layer_scale_init", not config.layer_scale_init),
+        )
+        if not ok
+    ]
     if unsupported:
         raise ValueError(
             f"Hugging Face ViT cannot hold {', '.join(unsupported)} (it has a class token, no ResNet stem, "

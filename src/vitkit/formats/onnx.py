@@ -76,8 +76,9 @@ class Graph:
         self.taken.add(origin)
         array = self.params[name]
         if array.dtype.kind != "f":  # an integer or bool tensor would be converted silently into nonsense weights
-            raise CheckpointError(self.path, f"weights of dtype {array.dtype}; a ViT's weights are floating point.",
-                                  origin)  # fmt: skip
+            raise CheckpointError(
+                self.path, f"weights of dtype {array.dtype}; a ViT's weights are floating point.", origin
+            )
         return torch.from_numpy(np.array(array, dtype=np.float32))
 
     def constant(self, name: str) -> np.ndarray | None:
@@ -103,8 +104,9 @@ def _claimed_bytes(t, path) -> int:
     if any(d < 0 for d in t.dims):
         raise CheckpointError(path, f"the shape {list(t.dims)} has a negative dimension.", t.name)
     if t.data_type not in ITEM_BYTES:
-        raise CheckpointError(path, f"tensor type {t.data_type} stored as raw bytes is not a numeric type vitkit "
-                              "reads.", t.name)  # fmt: skip
+        raise CheckpointError(
+            path, f"tensor type {t.data_type} stored as raw bytes is not a numeric type vitkit reads.", t.name
+        )
     return math.prod(t.dims) * ITEM_BYTES[t.data_type]
 
 
@@ -115,8 +117,9 @@ def _array(t, path) -> np.ndarray:
     if t.HasField("raw_data") or t.data_location == t.EXTERNAL:
         claimed = _claimed_bytes(t, path)
         if claimed != len(t.raw_data):
-            raise CheckpointError(path, f"the shape {list(t.dims)} claims {claimed:,} bytes; the file holds "
-                                  f"{len(t.raw_data):,}.", t.name)  # fmt: skip
+            raise CheckpointError(
+                path, f"the shape {list(t.dims)} claims {claimed:,} bytes; the file holds {len(t.raw_data):,}.", t.name
+            )
     try:
         return numpy_helper.to_array(t)
     except Exception as e:  # noqa: BLE001 - onnx and numpy fail in their own ways on a malformed tensor
@@ -136,8 +139,9 @@ def _load_external_data(model, path) -> None:
         location = info.get("location", "")
         file = (directory / location).resolve()
         if not location or os.path.isabs(location) or not file.is_relative_to(directory) or not file.is_file():
-            raise CheckpointError(path, f"its external data {location!r} must be a file in the model's own "
-                                  f"directory {directory}.", t.name)  # fmt: skip
+            raise CheckpointError(
+                path, f"its external data {location!r} must be a file in the model's own directory {directory}.", t.name
+            )
         try:
             offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
         except ValueError as e:
@@ -145,9 +149,12 @@ def _load_external_data(model, path) -> None:
         size, claimed = file.stat().st_size, _claimed_bytes(t, path)
         length = size - offset if length == -1 else length
         if offset < 0 or length != claimed or offset + length > size:
-            raise CheckpointError(path, f"external data {location!r}: {length:,} bytes from offset {offset:,} in a "
-                                  f"file of {size:,} bytes, for a shape {list(t.dims)} of {claimed:,} bytes.",
-                                  t.name)  # fmt: skip
+            raise CheckpointError(
+                path,
+                f"external data {location!r}: {length:,} bytes from offset {offset:,} in a "
+                f"file of {size:,} bytes, for a shape {list(t.dims)} of {claimed:,} bytes.",
+                t.name,
+            )
         with open(file, "rb") as f:
             f.seek(offset)
             t.raw_data = f.read(length)

@@ -208,8 +208,10 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     if model.class_names is not None:
         metadata["class_names"] = json.dumps(list(model.class_names))
     if Path(path).suffix not in ("", ".safetensors"):
-        raise ValueError(f"{path}: timm export writes safetensors; name the file *.safetensors, or give a path "
-                         "without a suffix for timm's hub directory (model.safetensors + config.json).")  # fmt: skip
+        raise ValueError(
+            f"{path}: timm export writes safetensors; name the file *.safetensors, or give a path "
+            "without a suffix for timm's hub directory (model.safetensors + config.json)."
+        )
     if Path(path).suffix:
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata))
         return

@@ -38,9 +38,10 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> Model:
     tensors, metadata = read_safetensors(path)
     if metadata.get("format") != NAME or "config" not in metadata:
         raise CheckpointError(
-            path, "a safetensors file without vitkit metadata. For timm weights use "
+            path,
+            "a safetensors file without vitkit metadata. For timm weights use "
             "vitkit.load_checkpoint(path, format='timm').",
-        )  # fmt: skip
+        )
     try:
         config = config_from_dict(json.loads(metadata["config"]))
         class_names = json.loads(metadata["class_names"]) if "class_names" in metadata else None
@@ -56,9 +57,11 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> Model:
     if missing or unexpected or wrong:
         listed = [f"{k} {tuple(tensors[k].shape)} {tensors[k].dtype}" for k in wrong[:6]]
         raise CheckpointError(
-            path, f"does not match its recorded config: missing {missing[:6]}, unexpected {unexpected[:6]}, "
-            f"wrong shape or dtype {listed}.", key=(missing or unexpected or wrong)[0],
-        )  # fmt: skip
+            path,
+            f"does not match its recorded config: missing {missing[:6]}, unexpected {unexpected[:6]}, "
+            f"wrong shape or dtype {listed}.",
+            key=(missing or unexpected or wrong)[0],
+        )
     if overrides:
         tuned = config.replace(**overrides)
         with torch.device("meta"):
