@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import SRC
+from helpers import SRC
 
 TABLES = SRC.parent / "benchmarks" / "tables.py"
 
