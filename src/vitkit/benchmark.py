@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
-from .model import VisionTransformer
 from .inference import PackedLinear, bf16_is_native, optimize, packing_available
+from .model import VisionTransformer
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")

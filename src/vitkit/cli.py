@@ -18,9 +18,9 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
+from .inference import optimize, resolve_precision
 from .kernels import retain_freed_memory
 from .model import VisionTransformer
-from .inference import optimize, resolve_precision
 from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
 
 
@@ -328,7 +328,8 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
             p.add_argument(*flags, type=number, nargs=2, metavar=("A", "B"), **common)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
-            p.add_argument(*flags, type=item, choices=choices, metavar=name.upper(), **common)
+            allowed = None if name == "data" else choices  # --data also takes a folder: `data.locate` checks it
+            p.add_argument(*flags, type=item, choices=allowed, metavar=name.upper(), **common)
 
 
 def _shown(value) -> str:
@@ -429,8 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
-    p.add_argument("--data", default="fashion-mnist", choices=datasets, metavar="DATA",
-                   help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist")  # fmt: skip
+    p.add_argument("--data", default="fashion-mnist", metavar="DATA",
+                   help=f"dataset to evaluate on ({'|'.join(datasets)}), or a folder of images or shards; "
+                        "default fashion-mnist")  # fmt: skip
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
     p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")
     p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
