@@ -155,3 +155,19 @@ def test_the_comparison_script_writes_its_table_into_the_named_block_and_a_secon
         ours = rates["vitkit optimized" if row[3] == "inference" else "vitkit"]
         # one round: the ratio of the round is the ratio of the printed rates (rounded to 2 decimals)
         assert float(ratio) == pytest.approx(ours / peers[best_peer], abs=0.011, rel=0.01)
+
+
+def test_bench_plot_has_a_memory_panel_only_with_a_memory_budget(tmp_path):
+    from PIL import Image
+
+    from vitkit.benchmark import plot_bench
+
+    rows = [{"kind": "inference", "batch": 1, "precision": "fp32", "mode": "plain", "image_size": s,
+             "images_per_s": 100.0 / s} for s in (16, 32)]  # fmt: skip
+    result = {"rows": rows, "largest_batch": [], "model": "ViT-Ti/8", "settings": {"memory_budget_gb": None},
+              "machine": {"cpu_capability": "AVX512", "device": "cpu"}}  # fmt: skip
+    plot_bench(result, tmp_path / "alone.png")
+    budget = [{"precision": "fp32", "kind": "inference", "mode": "plain", "image_size": 16, "largest_batch": 64}]
+    plot_bench({**result, "largest_batch": budget, "settings": {"memory_budget_gb": 1.0}}, tmp_path / "both.png")
+    alone, both = (Image.open(tmp_path / name).size for name in ("alone.png", "both.png"))
+    assert alone[1] == both[1] and both[0] > 1.6 * alone[0]  # one panel, not two of which one empty
