@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from vitkit import recipes
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.distributed import World
+from vitkit.inference import CUDA_NOTE_FILTER as compile_filter
 from vitkit.inference import compiler_present, resolve_precision
 from vitkit.model import resample_grid
 from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
@@ -186,6 +188,7 @@ def test_compiled_training_follows_the_eager_run(tmp_path):
     assert eager.step == compiled.step == 3
     assert_same_weights(weights(tmp_path / "eager"), weights(tmp_path / "compiled"), atol=1e-4)
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["train"]["compile"] is True
+    assert compile_filter in logging.getLogger("torch.utils.cpp_extension").filters  # no "No CUDA runtime" noise
 
 
 def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_every_sessions_wall_time(

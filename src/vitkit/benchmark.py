@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
-from .inference import PackedLinear, bf16_is_native, optimize, packing_available
+from .inference import PackedLinear, bf16_is_native, compile_quietly_on, optimize, packing_available
 from .model import VisionTransformer
 
 MODES = ("plain", "optimized")
@@ -179,6 +179,8 @@ def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: V
 def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: bool = False) -> _Cell:
     model = VisionTransformer(config).to(x.device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if compile:
+        compile_quietly_on(x.device)
     net = torch.compile(model) if compile else model
     labels = torch.randint(0, max(config.num_classes, 1), (x.shape[0],), device=x.device)
 

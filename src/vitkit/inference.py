@@ -20,6 +20,7 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
+import logging
 import sysconfig
 import typing
 import warnings
@@ -61,6 +62,24 @@ def compiler_present(device: torch.device) -> bool:
     except Exception:
         return False
     return True
+
+
+class _NoCudaRuntimeNote(logging.Filter):
+    """Drops torch's "No CUDA runtime is found" warning, which it logs on compiling wherever a CUDA toolkit is
+    installed without a GPU: code compiled for the CPU needs no CUDA runtime. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+CUDA_NOTE_FILTER = _NoCudaRuntimeNote()
+
+
+def compile_quietly_on(device: torch.device) -> None:
+    """Before torch.compile for `device`: on a CPU, silence that one warning of torch's C++ extension builder
+    (once per process: adding the same filter again changes nothing)."""
+    if device.type == "cpu":
+        logging.getLogger("torch.utils.cpp_extension").addFilter(CUDA_NOTE_FILTER)
 
 
 def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
@@ -201,6 +220,7 @@ def optimize(
     if pack:
         _replace_linears(fast)
     if compile:  # freezing: weights become constants the compiler can pack and fold
+        compile_quietly_on(device)
         # An OptimizedModule: it forwards attribute access (config, class_names) to the model it wraps.
         fast = typing.cast(VisionTransformer, torch.compile(fast, dynamic=False, options={"freezing": True}))
     return fast

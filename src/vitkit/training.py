@@ -51,7 +51,7 @@ from .distributed import (
 from .efficiency import count_params
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
-from .inference import resolve_precision
+from .inference import compile_quietly_on, resolve_precision
 from .model import VisionTransformer
 from .recipes import (
     TrainConfig,
@@ -229,6 +229,7 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     else:
         run.write_json("config.json", run_description(state, learning, train_set))
     if config.compile:
+        compile_quietly_on(world.device)
         state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
 
     final: EvalResult | None = None
