@@ -107,6 +107,18 @@ def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_pa
                              FINETUNE_DEFAULTS)  # fmt: skip
     assert (finetune.optimizer, finetune.weight_decay, finetune.lr, finetune.model_args) == ("sgd", 0.0, 0.03, {})
     assert finetune.trainable == "full"
+
+
+def test_finetune_runs_the_papers_500_steps_unless_epochs_or_steps_are_given():
+    def finetune(*options: str) -> TrainConfig:
+        args = build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", *options])
+        return _train_config(args, FINETUNE_DEFAULTS)
+
+    assert (finetune().steps, finetune("--epochs", "10").steps, finetune("--epochs", "10").epochs) == (500, None, 10)
+    assert finetune("--steps", "80").steps == 80 and finetune("--steps", "80", "--epochs", "2").steps == 80
+    assert "by default for 500 steps: the paper's length for its smallest datasets" in " ".join(
+        build_parser()._subparsers._group_actions[0].choices["finetune"].format_help().split()
+    )
     for flag in ("--trainable", "--train"):  # --train: the option's older spelling, still accepted
         args = build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", flag, "head"])
         assert _train_config(args, FINETUNE_DEFAULTS).trainable == "head"

@@ -21,7 +21,7 @@ from .errors import NonFiniteError, WorkerError
 from .inference import optimize, resolve_precision
 from .kernels import retain_freed_memory
 from .model import VisionTransformer
-from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
+from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, counting, field_help, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -158,7 +158,7 @@ def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
     if args.config:
         values.update(TrainConfig.from_file(args.config).to_dict())
     fields = field_types()
-    values.update({name: getattr(args, name) for name in fields if hasattr(args, name)})
+    values.update(counting({name: getattr(args, name) for name in fields if hasattr(args, name)}))
     return TrainConfig.from_dict(values)
 
 
@@ -424,7 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
     _add_train_options(p, {})
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("finetune", help="fine-tune --checkpoint with the official recipe (SGD, new head)")
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune --checkpoint with the official recipe (SGD, new head)",
+        description="Fine-tune --checkpoint with the official recipe (SGD, a new head), by default for "
+        f"{FINETUNE_DEFAULTS['steps']} steps: the paper's length for its smallest datasets, which converges on a "
+        "few thousand images (a few epochs stop far short); --epochs counts epochs instead.",
+    )
     _add_train_options(p, FINETUNE_DEFAULTS)
     p.set_defaults(func=cmd_train)
 
