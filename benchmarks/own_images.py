@@ -91,13 +91,22 @@ def main() -> None:
             results[name] = {"runs": runs, "mean_test_top1": float(np.mean([r["test_top1"] for r in runs]))}
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    from vitkit.inference import resolve_precision
+
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines())
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    cpu = f"{info.get('model name', platform.processor())} (family {info.get('cpu family')}, model {info.get('model')})"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
         "what": "sklearn digits (1,797 8x8 grayscale images, 10 classes) as an image folder, 80/20 train/val",
         "images": count,
-        "machine": {"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "torch": torch.__version__},
+        "machine": {
+            "cpu": cpu,
+            "cores": os.cpu_count(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "precision": resolve_precision("auto"),
+        },
         "date": datetime.date.today().isoformat(),
         "commit": commit,
         "command": "vitkit train --data DIGITS_DIR --epochs " + args.epochs + " [options]",

@@ -83,8 +83,8 @@ FINETUNE_DEFAULTS = {
 
 # What TrainConfig's data-dependent fields (None) become for the images at hand (`fit_to_data`).
 SMALL_IMAGES = 64  # image files whose longer side is below this are small: trained near their size, not cropped
-# Small images are enlarged by the whole factor that brings them nearest to this: 8 px digits trained at 32 px
-# (patch 8) reached 97.5% where at 8 px (patch 2) they reached 90.0% (benchmarks/own_images.py).
+# Small images are enlarged by the whole factor that brings them nearest to this: on 8 px digits that learnt more in
+# the same steps than their own size with 2 px patches (docs/OWN_IMAGES.md).
 SMALL_TARGET = 32
 PHOTO_SIZE = 224  # larger image files: the paper's resolution, inception crop and flip
 PHOTO_AUGMENTATION = ((0.05, 1.0), True)
