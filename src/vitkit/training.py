@@ -54,6 +54,7 @@ from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
 from .inference import compile_quietly_on, resolve_precision
 from .model import VisionTransformer
 from .recipes import (
+    DEFAULT_VARIANT,
     TrainConfig,
     build_optimizer,
     fit_to_data,
@@ -200,8 +201,8 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
     config = config.replace(precision=resolve_precision(config.precision, world.device))  # "auto" -> fp32 or bf16
-    if saved is None and config.checkpoint is None and config.model is not None:
-        check_overrides(config.model, config.model_args)  # a typo fails now, not after the data has loaded
+    if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
+        check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
     if saved is None:  # what config.json records: the model, resolution and augmentation chosen for this data
