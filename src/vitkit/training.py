@@ -175,7 +175,7 @@ def train(
         run_path = Path(resume)
     else:
         data, data_dir = locate(config.data, config.data_dir)  # a folder -> imagefolder or shards; a bad name fails now
-        name = Path(config.data).name if data != config.data else data
+        name = Path(config.data).resolve().name if data != config.data else data
         config = config.replace(data=data, data_dir=data_dir)
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(name)
     world = init_world(config.device)
