@@ -178,3 +178,19 @@ def test_the_comparison_script_writes_a_record_with_the_machine_every_round_and_
         # the median of the rounds' ratios, not the ratio of the medians: the machine's drift cancels round by round
         expected = statistics.median(a / b for a, b in zip(ours, rounds[row["best_peer"]], strict=True))
         assert row["ratio"] == pytest.approx(expected)
+
+
+def test_bench_plot_has_a_memory_panel_only_with_a_memory_budget(tmp_path):
+    from PIL import Image
+
+    from vitkit.benchmark import plot_bench
+
+    rows = [{"kind": "inference", "batch": 1, "precision": "fp32", "mode": "plain", "image_size": s,
+             "images_per_s": 100.0 / s} for s in (16, 32)]  # fmt: skip
+    result = {"rows": rows, "largest_batch": [], "model": "ViT-Ti/8", "settings": {"memory_budget_gb": None},
+              "machine": {"cpu_capability": "AVX512", "device": "cpu"}}  # fmt: skip
+    plot_bench(result, tmp_path / "alone.png")
+    budget = [{"precision": "fp32", "kind": "inference", "mode": "plain", "image_size": 16, "largest_batch": 64}]
+    plot_bench({**result, "largest_batch": budget, "settings": {"memory_budget_gb": 1.0}}, tmp_path / "both.png")
+    alone, both = (Image.open(tmp_path / name).size for name in ("alone.png", "both.png"))
+    assert alone[1] == both[1] and both[0] > 1.6 * alone[0]  # one panel, not two of which one empty

@@ -62,7 +62,7 @@ def test_every_train_option_has_its_field_description_and_the_registries_choices
 
 def test_finetune_help_shows_the_finetuning_recipe_defaults_not_trains(capsys):
     text = help_text("finetune", capsys)
-    assert "default sgd" in text and "default 0.01" in text and "(fractions allowed); default 3 " in text
+    assert "default sgd" in text and "default 0.01" in text and "overrides --epochs; default 500" in text
     assert "default adamw" not in text and "default 0.002" not in text
 
 

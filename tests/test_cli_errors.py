@@ -41,10 +41,11 @@ TRAIN_CASES = [
     (["--flip", "maybe"], "argument --flip: 'maybe': use true or false"),
     (["--model", "ViT-B/1G"], "unknown model name 'ViT-B/1G'"),
     (["--model", "ViT-Bx/16"], "Did you mean 'ViT-B/16'"),
-    (["--data", "fashion-mnits"], "invalid choice: 'fashion-mnits' (choose from "),
-    (["--data", "fashion-mnits"], "; did you mean 'fashion-mnist'?"),
+    (["--data", "fashion-mnits"], "unknown dataset 'fashion-mnits': Did you mean 'fashion-mnist'?"),
+    (["--data", "fashion-mnits"], "or give the path of a folder of images (FOLDER/<class>/<image>"),
+    (["--data", "./no-such-folder"], "data='./no-such-folder': no such folder. Give the path of a folder of images"),
     (
-        ["--data", "shapes", "--image-size", "30"],
+        ["--data", "shapes", "--model", "ViT-Ti/7", "--image-size", "30"],
         "image height 30 is not divisible by the patch stride 7 px: use a multiple of 7, e.g. 28 or 35",
     ),
 ]
@@ -93,8 +94,7 @@ def test_convert_to_hf_onto_an_existing_file_and_inspect_out_onto_a_file_are_err
     [
         (["convert", "CKPT", "out", "--to", "onnx2"], "argument --to: invalid choice: 'onnx2' (choose from"),
         (["eval", "--checkpoint", "CKPT", "--split", "val"], "argument --split: invalid choice: 'val' (choose from"),
-        (["eval", "--checkpoint", "CKPT", "--data", "shape"], "invalid choice: 'shape' (choose from "),
-        (["eval", "--checkpoint", "CKPT", "--data", "shape"], "; did you mean 'shapes'?"),
+        (["eval", "--checkpoint", "CKPT", "--data", "shape"], "unknown dataset 'shape': Did you mean 'shapes'?"),
         (["models", "--image-size", "0"], "image_size=0 is invalid: give a positive int"),
         (["predict", "--checkpoint", "CKPT", "no-such.png"], "no-such.png: no such image file"),
         (["eval", "--checkpoint", "missing.safetensors"], "missing.safetensors: no such checkpoint file"),

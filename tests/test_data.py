@@ -247,3 +247,71 @@ def test_image_folder_holds_out_at_least_one_image_per_class_when_the_fraction_r
     test = get_dataset("imagefolder", "test", data_dir=tmp_path)
     assert len(test) == 2 and sorted(label for _, label in test.samples) == [0, 1]
     assert len(train) == 8 and not {p for p, _ in train.samples} & {p for p, _ in test.samples}
+
+
+def write_small_digits(root, per_class: int = 6, size: int = 8) -> None:
+    """root/train and root/val of `per_class` size x size grayscale PNGs of each of two classes (a bright column
+    left or right)."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c, name in enumerate(["left", "right"]):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                pixels = np.full((size, size), 10 * i, dtype=np.uint8)
+                pixels[:, 1 if c == 0 else size - 2] = 255
+                Image.fromarray(pixels, mode="L").save(folder / f"{i}.png")
+
+
+def test_data_given_as_a_folder_is_an_image_folder_or_packed_shards(tmp_path):
+    write_small_digits(tmp_path / "digits")
+    assert data.locate(str(tmp_path / "digits")) == ("imagefolder", str(tmp_path / "digits"))
+    train = get_dataset(str(tmp_path / "digits"), "train")
+    assert train.classes == ["left", "right"] and len(train) == 12 and train.source == tmp_path / "digits"
+    data.pack_image_folder(tmp_path / "digits", tmp_path / "packed")
+    assert data.locate(str(tmp_path / "packed")) == ("shards", str(tmp_path / "packed"))
+    assert len(get_dataset(str(tmp_path / "packed"), "test")) == 12
+    assert data.locate("shapes") == ("shapes", None)  # a name is a name, even beside a folder of that name
+
+
+def test_a_name_that_is_neither_a_dataset_nor_a_folder_gets_did_you_mean_and_the_folder_hint(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown dataset 'fashion-mnits': Did you mean 'fashion-mnist'\? Choose "
+                       r"one of .* or give the path of a folder of images \(FOLDER/<class>/<image>"):  # fmt: skip
+        data.locate("fashion-mnits")
+    with pytest.raises(ValueError, match=r"no such folder\. Give the path of a folder of images"):
+        data.locate(str(tmp_path / "absent"))
+    write_small_digits(tmp_path / "digits")
+    with pytest.raises(ValueError, match="is a folder and data_dir=.* another: give one of them"):
+        data.locate(str(tmp_path / "digits"), tmp_path)
+
+
+def test_a_data_dir_without_the_dataset_is_an_error_not_a_fallback_to_another_copy(tmp_path, monkeypatch):
+    write_fake_mnist(tmp_path / "system")
+    write_fake_mnist(tmp_path / "env" / "fashion-mnist")
+    monkeypatch.setattr(data, "FASHION_SYSTEM_DIR", str(tmp_path / "system"))
+    monkeypatch.setenv("VITKIT_DATA", str(tmp_path / "env"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        get_dataset("fashion-mnist", "train", data_dir=tmp_path / "empty")
+    message = str(e.value)
+    assert "train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz" in message
+    assert f"not found in {tmp_path / 'empty'}, {tmp_path / 'empty' / 'fashion-mnist'}." in message
+    assert str(tmp_path / "system") not in message and str(tmp_path / "env") not in message
+    with pytest.raises(FileNotFoundError, match=r"cifar10: data_dir='.*absent' is not a directory"):
+        get_dataset("cifar10", "train", data_dir=tmp_path / "absent")
+    # Without a data_dir the usual places are searched, and the dataset says where it was found.
+    assert get_dataset("fashion-mnist", "test").source == tmp_path / "env" / "fashion-mnist"
+    monkeypatch.delenv("VITKIT_DATA")
+    assert get_dataset("fashion-mnist", "test").source == tmp_path / "system"
+
+
+def test_survey_tells_image_files_from_a_datasets_own_resolution(tmp_path):
+    write_small_digits(tmp_path, per_class=5)
+    folder = get_dataset("imagefolder", "train", data_dir=tmp_path)
+    found = data.survey("imagefolder", folder)
+    assert found["image_size"] == [8, 8] and found["grayscale"] and not found["own_size"]
+    assert not data.survey("imagefolder", data.subset(folder, 4))["own_size"]  # still image files, held in memory
+    shapes = data.survey("shapes", get_dataset("shapes", "train", size=4, image_size=16))
+    assert shapes["image_size"] == [16, 16] and not shapes["grayscale"] and shapes["own_size"]
+    assert (shapes["crop_scale"], shapes["flip"]) == (ShapesDataset.crop_scale, ShapesDataset.flip)

@@ -249,3 +249,25 @@ def percentages(output: str) -> dict[tuple[int, str], float]:
         for i, line in enumerate(output.splitlines())
         for label, value in re.findall(r"([\w-]+)\s+([0-9.]+)%", line)
     }
+
+
+def test_compiling_on_a_cpu_silences_torchs_no_cuda_runtime_warning_and_nothing_else(caplog):
+    import logging
+
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    logger.removeFilter(machine.CUDA_NOTE_FILTER)
+    try:
+        machine.compile_quietly_on(torch.device("cuda"))  # a GPU run: the warning would be news, it stays
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local/cuda")
+        assert "No CUDA runtime is found" in caplog.text
+        caplog.clear()
+        machine.compile_quietly_on(torch.device("cpu"))
+        machine.compile_quietly_on(torch.device("cpu"))
+        assert logger.filters.count(machine.CUDA_NOTE_FILTER) == 1
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local/cuda")
+            logger.warning("another warning of the extension builder")
+        assert "No CUDA runtime" not in caplog.text and "another warning of the extension builder" in caplog.text
+    finally:
+        logger.removeFilter(machine.CUDA_NOTE_FILTER)

@@ -9,6 +9,8 @@ from vitkit.recipes import (
     FINETUNE_DEFAULTS,
     TrainConfig,
     build_optimizer,
+    fit_patch,
+    fit_to_data,
     learning_rate,
     param_groups,
     set_trainable,
@@ -107,6 +109,18 @@ def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_pa
     )
     assert (finetune.optimizer, finetune.weight_decay, finetune.lr, finetune.model_args) == ("sgd", 0.0, 0.03, {})
     assert finetune.trainable == "full"
+
+
+def test_finetune_runs_the_papers_500_steps_unless_epochs_or_steps_are_given():
+    def finetune(*options: str) -> TrainConfig:
+        args = build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", *options])
+        return _train_config(args, FINETUNE_DEFAULTS)
+
+    assert (finetune().steps, finetune("--epochs", "10").steps, finetune("--epochs", "10").epochs) == (500, None, 10)
+    assert finetune("--steps", "80").steps == 80 and finetune("--steps", "80", "--epochs", "2").steps == 80
+    assert "by default for 500 steps: the paper's length for its smallest datasets" in " ".join(
+        build_parser()._subparsers._group_actions[0].choices["finetune"].format_help().split()
+    )
     for flag in ("--trainable", "--train"):  # --train: the option's older spelling, still accepted
         args = build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", flag, "head"])
         assert _train_config(args, FINETUNE_DEFAULTS).trainable == "head"
@@ -123,3 +137,51 @@ def test_train_config_errors_name_the_bad_value():
         TrainConfig.from_dict({"learning_rate": 1.0})
     with pytest.raises(ValueError, match=r"'weight_decy' \(did you mean 'weight_decay'\?\)"):
         TrainConfig().replace(weight_decy=0.1)
+
+
+def image_survey(size, grayscale=False, own_size=False, data="imagefolder", augmentation=((0.05, 1.0), True)):
+    """What `data.survey` says of a dataset, written out."""
+    return {"data": data, "image_size": list(size), "grayscale": grayscale, "own_size": own_size,
+            "crop_scale": augmentation[0], "flip": augmentation[1]}  # fmt: skip
+
+
+def test_fit_patch_is_a_4x4_grid_for_small_images_and_16_px_for_photographs():
+    assert [fit_patch(n) for n in (8, 16, 28, 32, 64, 224, 384)] == [2, 4, 7, 8, 16, 16, 16]
+    assert fit_patch(30) == 6 and fit_patch(31) == 1  # a divisor always; a prime size has only 1 and itself
+
+
+def test_small_image_files_train_enlarged_near_32_px_without_crop_or_flip():
+    config, line = fit_to_data(TrainConfig(data="imagefolder"), image_survey((8, 8), grayscale=True))
+    assert (config.image_size, config.model, config.crop_scale, config.flip) == (32, "ViT-Ti/8", (1.0, 1.0), False)
+    assert line == "images 8x8 grayscale -> model ViT-Ti/8 at 32 px; crop off, flip off: small images"
+    assert fit_to_data(TrainConfig(), image_survey((28, 28)))[0].image_size == 28
+    assert fit_to_data(TrainConfig(), image_survey((12, 10)))[0].image_size == 36  # 3 x the longer side
+
+
+def test_photographs_keep_the_papers_224_px_inception_crop_and_flip():
+    config, line = fit_to_data(TrainConfig(data="imagefolder"), image_survey((375, 500)))
+    assert (config.image_size, config.model, config.crop_scale, config.flip) == (224, "ViT-Ti/16", (0.05, 1.0), True)
+    assert line == "images 375x500 colour -> model ViT-Ti/16 at 224 px; crop 0.05-1, flip on: photographs"
+
+
+def test_a_dataset_with_its_own_resolution_keeps_it_and_its_augmentation_so_the_main_job_is_unchanged():
+    fashion = image_survey((28, 28), True, True, "fashion-mnist", ((1.0, 1.0), True))
+    config, line = fit_to_data(TrainConfig(), fashion)
+    assert (config.image_size, config.model, config.crop_scale, config.flip) == (28, "ViT-Ti/7", (1.0, 1.0), True)
+    assert line.endswith("crop off, flip on: fashion-mnist's own size")
+    assert fit_to_data(TrainConfig(data="cifar10"), image_survey((32, 32), own_size=True))[0].model == "ViT-Ti/8"
+    assert fit_to_data(config, fashion)[0] == config  # a fitted config has nothing left to fit
+
+
+def test_every_option_given_wins_over_the_fitted_one():
+    given = TrainConfig(image_size=24, model="ViT-Ti/4", crop_scale=(0.5, 1.0), flip=True)
+    config, line = fit_to_data(given, image_survey((8, 8), grayscale=True))
+    assert config == given
+    assert line == ("images 8x8 grayscale -> model ViT-Ti/4 (given) at 24 px (given); crop 0.5-1 (given), "
+                    "flip on (given): small images")  # fmt: skip
+    # A model given with the resolution left free: the nearest resolution its patch stride divides.
+    assert fit_to_data(TrainConfig(model="ViT-Ti/7"), image_survey((64, 64), own_size=True))[0].image_size == 63
+    assert fit_to_data(TrainConfig(image_size=40), image_survey((8, 8)))[0].model == "ViT-Ti/10"
+    # A checkpoint keeps its own model and, unless given, its resolution.
+    tuned = fit_to_data(TrainConfig(checkpoint="base.safetensors"), image_survey((8, 8)))[0]
+    assert tuned.model is None and tuned.image_size is None and tuned.crop_scale == (1.0, 1.0)

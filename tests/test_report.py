@@ -134,3 +134,12 @@ def test_dataset_samples_scale_object_boxes_to_a_non_square_model():
     assert samples.boxes == [(2 * x0, y0, 2 * x1, y1) for x0, y0, x1, y1 in map(rendered.box, range(3))]
     assert samples.labels == [rendered[i][1] for i in range(3)]
     assert samples.titles[0] == f"#0: {ShapesDataset.classes[samples.labels[0]]}"
+
+
+@pytest.mark.slow
+def test_report_mentions_green_boxes_only_when_it_draws_boxes(tmp_path):
+    images = torch.rand(1, 3, 32, 32) * 2 - 1
+    html = write_report(tiny(), Samples(images, ["noise"]), tmp_path / "plain").read_text()
+    assert "Green boxes" not in html
+    html = write_report(tiny(), Samples(images, ["boxed"], [0], [(4, 4, 20, 20)]), tmp_path / "boxed").read_text()
+    assert "Green boxes are the known object boxes." in html

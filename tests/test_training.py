@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from vitkit import machine
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.distributed import World
+from vitkit.machine import CUDA_NOTE_FILTER as compile_filter
 from vitkit.machine import resolve_precision
 from vitkit.model import resample_grid
 from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
@@ -203,6 +205,7 @@ def test_compiled_training_follows_the_eager_run(tmp_path):
     assert eager.step == compiled.step == 3
     assert_same_weights(weights(tmp_path / "eager"), weights(tmp_path / "compiled"), atol=1e-4)
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["train"]["compile"] is True
+    assert compile_filter in logging.getLogger("torch.utils.cpp_extension").filters  # no "No CUDA runtime" noise
 
 
 def test_resume_applies_length_and_cadence_refuses_the_rest_by_name_and_counts_every_sessions_wall_time(
@@ -245,3 +248,79 @@ def test_auto_precision_and_compile_are_resolved_and_recorded_in_config_json(tmp
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
     assert recorded["precision"] == resolve_precision("auto", "cpu") and recorded["compile"] is False
     assert TrainConfig.from_dict(recorded).precision in ("fp32", "bf16")
+
+
+def every_dataset(tmp_path) -> dict[str, dict]:
+    """Each dataset of `vitkit.data.DATASETS`, made small in tmp_path where it is read from files: its
+    get_dataset arguments by name."""
+    from test_data import write_cifar, write_fake_mnist, write_small_digits
+    from vitkit.data import DATASETS, pack_image_folder
+
+    write_fake_mnist(tmp_path / "idx")
+    write_cifar(tmp_path / "cifar", 10)
+    write_cifar(tmp_path / "cifar", 100)
+    write_small_digits(tmp_path / "digits")
+    pack_image_folder(tmp_path / "digits", tmp_path / "shards")
+    files = {"fashion-mnist": "idx", "mnist": "idx", "cifar10": "cifar", "cifar100": "cifar",
+             "imagefolder": "digits", "shards": "shards"}  # fmt: skip
+    datasets = {name: {"data_dir": str(tmp_path / files[name])} if name in files else {} for name in DATASETS}
+    datasets["shapes"] = {"size": 8}
+    return datasets
+
+
+def test_every_dataset_gets_a_model_that_fits_it_from_its_name_alone(tmp_path):
+    from vitkit.data import survey, to_input
+    from vitkit.recipes import fit_to_data
+
+    for name, kwargs in every_dataset(tmp_path).items():
+        dataset = get_dataset(name, "train", **kwargs)
+        config = fit_to_data(TrainConfig(data=name), survey(name, dataset))[0]
+        model = initial_model(config, dataset)
+        images = torch.stack([dataset[i][0] for i in range(2)])
+        logits = model(to_input(images, model.config.image_size, model.config.in_chans))
+        assert logits.shape == (2, len(dataset.classes)), name
+
+
+@pytest.mark.slow
+def test_train_with_only_data_given_trains_the_shapes(tmp_path, capsys):
+    assert main(["train", "--data", "shapes", "--steps", "2", "--out-dir", str(tmp_path / "run")]) == 0
+    assert "images 64x64 colour -> model ViT-Ti/16 at 64 px; crop 0.05-1, flip on: shapes's own size" in (
+        capsys.readouterr().out
+    )
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["model"]["patch_size"] == [16, 16] and recorded["model"]["image_size"] == [64, 64]
+
+
+@pytest.mark.slow
+def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_records_what_was_used(tmp_path, capsys):
+    from test_data import write_small_digits
+
+    write_small_digits(tmp_path / "digits")
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(tmp_path / "digits"), "--steps", "2", "--batch-size", "4", "--out-dir", str(run)]
+    assert main([*argv, "--threads", "1"]) == 0
+    assert (
+        "images 8x8 grayscale -> model ViT-Ti/8 at 32 px; crop off, flip off: small images" in capsys.readouterr().out
+    )
+    recorded = json.loads((run / "config.json").read_text())
+    assert recorded["train"]["data"] == "imagefolder" and recorded["train"]["data_dir"] == str(tmp_path / "digits")
+    assert recorded["data_source"] == str(tmp_path / "digits")
+    assert (recorded["train"]["model"], recorded["train"]["image_size"]) == ("ViT-Ti/8", 32)
+    assert recorded["augment"]["crop_scale"] == [1.0, 1.0] and recorded["augment"]["flip"] is False
+    # An option given wins, and is said to be given.
+    assert main([*argv[:-1], str(tmp_path / "given"), "--image-size", "16", "--flip", "--threads", "1"]) == 0
+    assert "model ViT-Ti/4 at 16 px (given); crop off, flip on (given): small images" in capsys.readouterr().out
+
+
+def test_a_data_dir_without_the_dataset_stops_the_run_before_it_records_anything(tmp_path, capsys, monkeypatch):
+    from test_data import write_fake_mnist
+    from vitkit import data
+
+    write_fake_mnist(tmp_path / "system")
+    monkeypatch.setattr(data, "FASHION_SYSTEM_DIR", str(tmp_path / "system"))  # a copy the run must not fall back to
+    (tmp_path / "empty").mkdir()
+    run = tmp_path / "run"
+    assert main(["train", "--data", "fashion-mnist", "--data-dir", str(tmp_path / "empty"), "--out-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "fashion-mnist: train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz" in err
+    assert f"not found in {tmp_path / 'empty'}" in err and not (run / "config.json").exists()

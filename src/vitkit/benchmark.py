@@ -199,6 +199,8 @@ def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: V
 def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: bool = False) -> _Cell:
     model = VisionTransformer(config).to(x.device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if compile:
+        machine.compile_quietly_on(x.device)
     net = torch.compile(model) if compile else model
     labels = torch.randint(0, max(config.num_classes, 1), (x.shape[0],), device=x.device)
 
@@ -418,14 +420,16 @@ def write_bench(result: dict, path: str | Path) -> tuple[Path, Path]:
 
 
 def plot_bench(result: dict, path: str | Path) -> None:
-    """Fig. 12: inference images/s against resolution (a line per batch, precision and mode), and the
-    largest batch in the memory budget against resolution."""
+    """Fig. 12: inference images/s against resolution (a line per batch, precision and mode), and, given a memory
+    budget, the largest batch in it against resolution."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    budget = result["settings"]["memory_budget_gb"]
+    fig, panels = plt.subplots(1, 2 if budget else 1, figsize=(10 if budget else 5.5, 4), squeeze=False)
+    axes = panels[0]
     lines: dict[tuple, list] = {}
     for r in result["rows"]:
         if r["kind"] == "inference":
@@ -435,17 +439,18 @@ def plot_bench(result: dict, path: str | Path) -> None:
         axes[0].plot(*zip(*pts), marker="o", label=f"batch {batch} {precision} {mode}")
     axes[0].set(xlabel="input size (px)", ylabel="images/s", yscale="log", title="inference throughput")
     axes[0].legend(fontsize=7)
-    sizes: dict[tuple, list] = {}
-    for r in result["largest_batch"]:
-        sizes.setdefault((r["precision"], r["kind"], r["mode"]), []).append((r["image_size"], r["largest_batch"]))
-    for (precision, kind, mode), pts in sorted(sizes.items()):
-        pts.sort()
-        axes[1].plot(*zip(*pts), marker="o", label=f"{kind} {precision} {mode}")
-    budget = result["settings"]["memory_budget_gb"]
-    title = f"largest batch in {budget} GB" if budget else "largest batch (give a memory budget)"
-    axes[1].set(xlabel="input size (px)", ylabel="largest batch", yscale="log", title=title)
-    if sizes:
-        axes[1].legend(fontsize=7)
+    if budget:
+        sizes: dict[tuple, list] = {}
+        for r in result["largest_batch"]:
+            sizes.setdefault((r["precision"], r["kind"], r["mode"]), []).append((r["image_size"], r["largest_batch"]))
+        for (precision, kind, mode), pts in sorted(sizes.items()):
+            pts.sort()
+            axes[1].plot(*zip(*pts), marker="o", label=f"{kind} {precision} {mode}")
+        axes[1].set(
+            xlabel="input size (px)", ylabel="largest batch", yscale="log", title=f"largest batch in {budget} GB"
+        )
+        if sizes:
+            axes[1].legend(fontsize=7)
     fig.suptitle(f"{result['model']} on {result['machine']['cpu_capability']}, {result['machine']['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100, format="png")

@@ -21,7 +21,7 @@ from .errors import NonFiniteError, WorkerError
 from .inference import optimize
 from .machine import resolve_precision, retain_freed_memory
 from .model import VisionTransformer
-from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
+from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, counting, field_help, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -170,7 +170,7 @@ def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
     if args.config:
         values.update(TrainConfig.from_file(args.config).to_dict())
     fields = field_types()
-    values.update({name: getattr(args, name) for name in fields if hasattr(args, name)})
+    values.update(counting({name: getattr(args, name) for name in fields if hasattr(args, name)}))
     return TrainConfig.from_dict(values)
 
 
@@ -348,7 +348,8 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
             p.add_argument(*flags, type=number, nargs=2, metavar=("A", "B"), **common)
         else:
             item = next(t for t in (int, float, str) if t == kind or kind == t | None)
-            p.add_argument(*flags, type=item, choices=choices, metavar=name.upper(), **common)
+            allowed = None if name == "data" else choices  # --data also takes a folder: `data.locate` checks it
+            p.add_argument(*flags, type=item, choices=allowed, metavar=name.upper(), **common)
 
 
 def _shown(value) -> str:
@@ -453,7 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
     _add_train_options(p, {})
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("finetune", help="fine-tune --checkpoint with the official recipe (SGD, new head)")
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune --checkpoint with the official recipe (SGD, new head)",
+        description="Fine-tune --checkpoint with the official recipe (SGD, a new head), by default for "
+        f"{FINETUNE_DEFAULTS['steps']} steps: the paper's length for its smallest datasets, which converges on a "
+        "few thousand images (a few epochs stop far short); --epochs counts epochs instead.",
+    )
     _add_train_options(p, FINETUNE_DEFAULTS)
     p.set_defaults(func=cmd_train)
 
@@ -462,9 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         default="fashion-mnist",
-        choices=datasets,
         metavar="DATA",
-        help=f"dataset to evaluate on ({'|'.join(datasets)}); default fashion-mnist",
+        help=f"dataset to evaluate on ({'|'.join(datasets)}), or a folder of images or shards; default fashion-mnist",
     )
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
     p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from .errors import ImageError
 from .images import SUFFIXES, SkipLog, check_image, read_image
-from .shards import ShardedDataset, pack_splits
+from .shards import INDEX, ShardedDataset, pack_splits
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond")
 
@@ -128,6 +128,8 @@ class ImageArrayDataset(Dataset):
     """A whole split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,)."""
 
     crop_scale, flip = (0.05, 1.0), True
+    from_files = False  # a subset of image files: their size is not the dataset's own (see `own_size`)
+    source: Path | None = None  # the file or folder the images were read from
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes: list[str]):
         if images.dtype != torch.uint8 or images.ndim != 4 or len(images) != len(labels):
@@ -193,11 +195,15 @@ def _find_idx(directory: Path, stem: str) -> Path | None:
 
 
 def _candidate_dirs(data_dir: str | os.PathLike | None, name: str, system_dir: str | None) -> list[Path]:
-    roots = [Path(data_dir)] if data_dir else []
-    if os.environ.get("VITKIT_DATA"):
-        roots.append(Path(os.environ["VITKIT_DATA"]))
-    dirs = [d for root in roots for d in (root, root / name)]
-    return dirs + ([Path(system_dir)] if system_dir else [])
+    """Where a dataset's files are looked for: the given `data_dir` (and its `name` subfolder) only, so that a
+    wrong folder is an error rather than a silent fallback; without one, $VITKIT_DATA, then the system copy."""
+    if data_dir:
+        if not Path(data_dir).is_dir():
+            raise FileNotFoundError(f"{name}: data_dir={str(data_dir)!r} is not a directory: pass the folder "
+                                    "that holds the dataset's files.")  # fmt: skip
+        return [Path(data_dir), Path(data_dir) / name]
+    roots = [Path(os.environ["VITKIT_DATA"])] if os.environ.get("VITKIT_DATA") else []
+    return [d for root in roots for d in (root, root / name)] + ([Path(system_dir)] if system_dir else [])
 
 
 def load_idx_split(
@@ -206,9 +212,9 @@ def load_idx_split(
     data_dir: str | os.PathLike | None,
     help_text: str,
     system_dir: str | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, Path]:
     """Images (N, 1, H, W) and labels (N,) of a split of an MNIST-like IDX dataset, from the first directory
-    that holds both of its files."""
+    that holds both of its files, and that directory."""
     _check_split(split)
     image_stem, label_stem = IDX_FILES[split]
     searched = _candidate_dirs(data_dir, name, system_dir)
@@ -220,10 +226,10 @@ def load_idx_split(
                 raise ValueError(
                     f"{images}, {labels}: expected (N, H, W) images and N labels, got {x.shape}, {y.shape}."
                 )
-            return torch.from_numpy(x.copy())[:, None], torch.from_numpy(y.astype(np.int64))
+            return torch.from_numpy(x.copy())[:, None], torch.from_numpy(y.astype(np.int64)), directory
     where = ", ".join(str(d) for d in searched) or "(nowhere: no directory given)"
     raise FileNotFoundError(
-        f"{name}: {image_stem}.gz and {label_stem}.gz not found in {where}. {help_text} "
+        f"{name}: {image_stem}.gz and {label_stem}.gz (or the same without .gz) not found in {where}. {help_text} "
         "Then pass --data-dir DIR (or set VITKIT_DATA=DIR)."
     )
 
@@ -238,7 +244,7 @@ class FashionMNIST(ImageArrayDataset):
             "Install it with `sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu; `make data` does this) "
             "or download the four *-ubyte.gz files from https://github.com/zalandoresearch/fashion-mnist."
         )
-        images, labels = load_idx_split("fashion-mnist", split, data_dir, help_text, FASHION_SYSTEM_DIR)
+        images, labels, self.source = load_idx_split("fashion-mnist", split, data_dir, help_text, FASHION_SYSTEM_DIR)
         super().__init__(images, labels, FASHION_CLASSES)
 
 
@@ -249,7 +255,7 @@ class MNIST(ImageArrayDataset):
 
     def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None):
         help_text = "Download the four *-ubyte.gz files of MNIST (e.g. from https://yann.lecun.com/exdb/mnist/)."
-        images, labels = load_idx_split("mnist", split, data_dir, help_text, None)
+        images, labels, self.source = load_idx_split("mnist", split, data_dir, help_text, None)
         super().__init__(images, labels, [str(d) for d in range(10)])
 
 
@@ -274,6 +280,7 @@ class MNIST5k(ImageArrayDataset):
             table = np.loadtxt(f, delimiter=",", dtype=np.uint8)  # (5000, 785): 784 pixels, then the label
         order = np.random.default_rng(0).permutation(len(table))
         rows = table[order[:4000] if split == "train" else order[4000:]]
+        self.source = path
         images = torch.from_numpy(rows[:, :-1].reshape(-1, 1, 28, 28).copy())
         super().__init__(images, torch.from_numpy(rows[:, -1].astype(np.int64)), [str(d) for d in range(10)])
 
@@ -345,6 +352,7 @@ class CIFAR(ImageArrayDataset):
             batch = safe_unpickle(directory / file)
             images.append(np.asarray(_key(batch, "data"), dtype=np.uint8).reshape(-1, 3, 32, 32))
             labels.append(np.asarray(_key(batch, label_key), dtype=np.int64))
+        self.source = directory
         meta_dict = safe_unpickle(directory / meta)
         classes = _names(_key(meta_dict, "label_names" if num_classes == 10 else "fine_label_names"))
         super().__init__(torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels)), classes)
@@ -373,7 +381,7 @@ class ImageFolder(Dataset):
         self.strict, self.skipped = strict, SkipLog()
         if data_dir is None or not Path(data_dir).is_dir():
             raise FileNotFoundError(f"imagefolder: data_dir={data_dir!r} is not a directory: pass --data-dir ROOT.")
-        root = Path(data_dir)
+        root = self.source = Path(data_dir)
         held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
         split_dirs = (root / "train").is_dir() and held_out is not None
         base = (root / "train" if split == "train" else held_out or root) if split_dirs else root
@@ -465,15 +473,16 @@ def pack_image_folder(
     )
 
 
-def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:
+def describe(name: str, dataset: LabelledDataset, probe: int = 16) -> dict:
     """What a model trained on `dataset` has seen, for `predict` to notice inputs unlike it: the dataset's
     `name`, whether its images are `grayscale` (one channel, or three equal ones) and their typical
-    `image_size` [H, W] (the first `probe` images' median, for datasets decoded from files)."""
+    `image_size` [H, W] (the median of `probe` images spread over the dataset, for datasets decoded from files)."""
     images: list[torch.Tensor] | torch.Tensor
     if isinstance(dataset, ImageArrayDataset):
         images = dataset.images[:probe]
     else:
-        probed = [dataset[i][0] for i in range(min(probe, len(dataset)))]
+        spread = np.linspace(0, len(dataset) - 1, min(probe, len(dataset))).round().astype(int)
+        probed = [dataset[int(i)][0] for i in np.unique(spread)]
         images = [im for im in probed if isinstance(im, torch.Tensor)]  # not the files that failed to decode
     if not len(images):
         return {"data": name, "grayscale": False, "image_size": None}
@@ -482,7 +491,27 @@ def describe(name: str, dataset: LabelledDataset, probe: int = 8) -> dict:
     return {"data": name, "grayscale": gray, "image_size": list(sizes[len(sizes) // 2])}
 
 
-def dataset_augmentation(dataset: Dataset) -> tuple[tuple[float, float], bool]:
+def own_size(dataset: object) -> tuple[int, int] | None:
+    """The one resolution a dataset makes its images at (splits held in memory, rendered shapes); None for
+    image files, which come in their own sizes."""
+    if getattr(dataset, "from_files", False):
+        return None
+    if isinstance(dataset, ImageArrayDataset):
+        return (int(dataset.images.shape[-2]), int(dataset.images.shape[-1]))
+    if isinstance(dataset, ShapesDataset):
+        return (dataset.image_size, dataset.image_size)
+    return None
+
+
+def survey(name: str, dataset: LabelledDataset) -> dict:
+    """What `recipes.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), whether
+    the size is the dataset's `own_size` (else: image files), and the augmentation it asks for."""
+    crop_scale, flip = dataset_augmentation(dataset)
+    return {**describe(name, dataset), "own_size": own_size(dataset) is not None, "crop_scale": crop_scale,
+            "flip": flip}  # fmt: skip
+
+
+def dataset_augmentation(dataset: object) -> tuple[tuple[float, float], bool]:
     """The training augmentation a dataset asks for: (inception-crop area range, horizontal flip)."""
     return tuple(getattr(dataset, "crop_scale", (0.05, 1.0))), bool(getattr(dataset, "flip", True))
 
@@ -499,17 +528,39 @@ def subset(dataset: LabelledDataset, size: int, seed: int = 0) -> ImageArrayData
         samples = [dataset[i] for i in order.tolist()]
         images, labels = torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
     out = ImageArrayDataset(images, labels, dataset.classes)
-    out.crop_scale, out.flip = dataset_augmentation(dataset)  # type: ignore[arg-type]
+    out.crop_scale, out.flip = dataset_augmentation(dataset)
+    out.from_files, out.source = own_size(dataset) is None, getattr(dataset, "source", None)
     return out
 
 
+def locate(data: str, data_dir: str | os.PathLike | None = None) -> tuple[str, str | None]:
+    """(dataset name, data_dir) for `data`: a dataset name as it is, or the path of a folder: Parquet shards
+    when it holds `vitkit data pack`'s index.json, otherwise an image folder. A name wins over a folder of the
+    same name in the working directory (write ./NAME for that one)."""
+    if data in DATASETS:
+        return data, None if data_dir is None else str(data_dir)
+    folder = Path(data).expanduser()
+    if folder.is_dir():
+        if data_dir is not None:
+            raise ValueError(f"data={data!r} is a folder and data_dir={str(data_dir)!r} another: give one of them.")
+        return ("shards" if (folder / INDEX).is_file() else "imagefolder"), str(folder)
+    folders = "the path of a folder of images (FOLDER/<class>/<image>, optionally under FOLDER/train and FOLDER/val) "
+    folders += "or of Parquet shards (`vitkit data pack`)"
+    names = ", ".join(sorted(DATASETS))
+    if os.sep in data or data.startswith(("~", ".")):
+        raise ValueError(f"data={data!r}: no such folder. Give {folders}, or a dataset name: {names}.")
+    close = difflib.get_close_matches(data, list(DATASETS), n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown dataset {data!r}:{hint} Choose one of {names}, or give {folders}.")
+
+
 def get_dataset(name: str, split: str = "train", strict: bool = False, **kwargs) -> LabelledDataset:
-    """A named dataset's split; samples are (uint8 image (C, H, W), label) and `.classes` names the labels.
-    `strict`: an unreadable image file is an error (datasets of image files; otherwise it is skipped)."""
-    if name not in DATASETS:
-        close = difflib.get_close_matches(name, list(DATASETS), n=1, cutoff=0.5)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown dataset {name!r}:{hint} choose one of {', '.join(sorted(DATASETS))}.")
+    """A dataset's split by name, or by folder (see `locate`); samples are (uint8 image (C, H, W), label) and
+    `.classes` names the labels. `strict`: an unreadable image file is an error (datasets of image files;
+    otherwise it is skipped)."""
+    name, data_dir = locate(name, kwargs.pop("data_dir", None))
+    if data_dir is not None:
+        kwargs["data_dir"] = data_dir
     if strict and name == "imagefolder":
         kwargs["strict"] = True
     return DATASETS[name](split=split, **kwargs)

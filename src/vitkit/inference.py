@@ -157,6 +157,7 @@ def optimize(
     if pack:
         _replace_linears(fast)
     if compile:  # freezing: weights become constants the compiler can pack and fold
+        machine.compile_quietly_on(device)
         # An OptimizedModule: it forwards attribute access (config, class_names) to the model it wraps.
         fast = typing.cast(VisionTransformer, torch.compile(fast, dynamic=False, options={"freezing": True}))
     return fast

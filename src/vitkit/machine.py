@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import platform
 import sysconfig
@@ -143,6 +144,24 @@ def describe() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name()
         info["bf16_native_gpu"] = bf16_is_native("cuda")
     return info
+
+
+class _NoCudaRuntimeNote(logging.Filter):
+    """Drops torch's "No CUDA runtime is found" warning, which it logs on compiling wherever a CUDA toolkit is
+    installed without a GPU: code compiled for the CPU needs no CUDA runtime. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+CUDA_NOTE_FILTER = _NoCudaRuntimeNote()
+
+
+def compile_quietly_on(device: torch.device) -> None:
+    """Before torch.compile for `device`: on a CPU, silence that one warning of torch's C++ extension builder
+    (once per process: adding the same filter again changes nothing)."""
+    if device.type == "cpu":
+        logging.getLogger("torch.utils.cpp_extension").addFilter(CUDA_NOTE_FILTER)
 
 
 # glibc's malloc hands freed memory back to the system: a block above M_MMAP_THRESHOLD (128 KiB at first) is unmapped

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from . import machine
-from .config import check_fields, check_type
+from .config import check_fields, check_type, decode_variant
 from .distributed import STRATEGIES, World
 from .machine import PRECISIONS
+from .resnet import is_bit_name
 
 # The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
@@ -49,7 +50,9 @@ TRAINABLE = ("full", "head", "attention", "mlp")
 NONFINITE = ("stop", "skip")
 
 # The main job's model: ViT-Ti/7 made narrower and shallower for 28x28 images (4x4 = 16 patches + class token).
+# Without --model, the patch is fitted to the data's resolution (`fit_to_data`): 7 px at 28 px.
 MAIN_JOB_MODEL_ARGS = {"hidden_size": 96, "num_layers": 4, "mlp_dim": 192, "num_heads": 2}
+DEFAULT_VARIANT = "ViT-Ti"
 # The experiments' model (the main job's before 0.2): ViT-Ti/4 at 64 wide, 7x7 = 49 patches + class token.
 SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
 # The main job's recipe before 0.2, which the experiments keep, so that their runs and results stay as recorded.
@@ -68,7 +71,9 @@ SMALL_RECIPE = {
 # small CPU, which the faster compiled step pays back after a few thousand steps (docs/PERFORMANCE.md).
 AUTO_COMPILE_STEPS = 2000
 
-# `vitkit finetune`: the official fine-tuning recipe, applied before the user's own overrides.
+# `vitkit finetune`: the official fine-tuning recipe, applied before the user's own overrides. Its length is the
+# paper's for its smallest datasets (Pets, Flowers: 500 steps), which converges on a few thousand images, where a
+# few epochs stop far short; --epochs counts epochs instead.
 FINETUNE_DEFAULTS = {
     "optimizer": "sgd",
     "lr": 0.01,
@@ -77,11 +82,91 @@ FINETUNE_DEFAULTS = {
     "schedule": "cosine",
     "warmup_fraction": 0.05,
     "grad_clip": 1.0,
-    "epochs": 3.0,
+    "steps": 500,
     "batch_size": 128,
     "label_smoothing": 0.0,
     "model_args": {},
 }
+
+
+# What TrainConfig's data-dependent fields (None) become for the images at hand (`fit_to_data`).
+SMALL_IMAGES = 64  # image files whose longer side is below this are small: trained near their size, not cropped
+# Small images are enlarged by the whole factor that brings them nearest to this: on 8 px digits that learnt more in
+# the same steps than their own size with 2 px patches (docs/OWN_IMAGES.md).
+SMALL_TARGET = 32
+PHOTO_SIZE = 224  # larger image files: the paper's resolution, inception crop and flip
+PHOTO_AUGMENTATION = ((0.05, 1.0), True)
+SMALL_AUGMENTATION = ((1.0, 1.0), False)  # a crop or a flip of an 8 px digit is another digit, or none
+
+
+def fit_patch(resolution: int) -> int:
+    """The patch side for a model at `resolution` px: the divisor of it nearest to a quarter of it (a 4x4 grid of
+    patches, the main job's 7 px at 28 px) but at most the paper's 16 px (a 14x14 grid at 224 px)."""
+    target = min(resolution / 4, 16)
+    return min((d for d in range(1, resolution + 1) if resolution % d == 0), key=lambda d: (abs(d - target), -d))
+
+
+def _fitting_size(model: str, model_args: dict[str, Any], size: int) -> int:
+    """The resolution nearest to `size` that the patch stride of the ViT `model` divides (`size` itself for other
+    architectures, or when the model does not build: that error is the model's to give)."""
+    if is_bit_name(model):
+        return size
+    for candidate in sorted(range(max(size - 64, 1), size + 65), key=lambda n: (abs(n - size), -n)):
+        try:
+            decode_variant(model, **{**model_args, "image_size": candidate})
+            return candidate
+        except ValueError:
+            continue
+    return size
+
+
+def fit_to_data(config: TrainConfig, survey: dict[str, Any]) -> tuple[TrainConfig, str]:
+    """The config with its data-dependent defaults (None) chosen for the images `data.survey` describes, and one
+    line saying what was chosen and why. An option given (not None) is kept as it is.
+
+    - A dataset that makes its images at one size (Fashion-MNIST, CIFAR, shapes): that size, its own augmentation.
+    - Image files smaller than `SMALL_IMAGES` px: a whole multiple of their size near `SMALL_TARGET`, no crop,
+      no flip.
+    - Larger image files (photographs): the paper's 224 px, inception crop and flip.
+    - The model: `DEFAULT_VARIANT` with a patch from `fit_patch`; a model given keeps its patch, and the
+      resolution moves to the nearest one its patch stride divides.
+    With a checkpoint the resolution and the model are the checkpoint's (unless given)."""
+    height, width = survey["image_size"] or (PHOTO_SIZE, PHOTO_SIZE)
+    side = max(height, width)
+    if survey["own_size"]:
+        kind, size, augmentation = f"{survey['data']}'s own size", side, (survey["crop_scale"], survey["flip"])
+    elif side < SMALL_IMAGES:
+        kind, size, augmentation = "small images", side * max(round(SMALL_TARGET / side), 1), SMALL_AUGMENTATION
+    else:
+        kind, size, augmentation = "photographs", PHOTO_SIZE, PHOTO_AUGMENTATION
+    changes: dict[str, Any] = {}
+    if config.crop_scale is None:
+        changes["crop_scale"] = tuple(augmentation[0])
+    if config.flip is None:
+        changes["flip"] = bool(augmentation[1])
+    if config.checkpoint is None:
+        size = config.image_size or size
+        patch = 16 if "patch_size" in config.model_args else fit_patch(size)  # model_args' patch_size wins anyway
+        model = config.model or f"{DEFAULT_VARIANT}/{patch}"
+        changes["model"] = model
+        if config.image_size is None:
+            changes["image_size"] = _fitting_size(model, config.model_args, size)
+    fitted = config.replace(**changes)
+
+    def given(name: str) -> str:
+        return " (given)" if getattr(config, name) is not None else ""
+
+    low, high = fitted.crop_scale or (1.0, 1.0)
+    crop = "off" if low == high == 1.0 else f"{low:g}-{high:g}"
+    colour = "grayscale" if survey["grayscale"] else "colour"
+    if fitted.checkpoint is not None:
+        at = f"{fitted.image_size} px{given('image_size')}" if fitted.image_size else "its own resolution"
+        model_text = f"the checkpoint at {at}"
+    else:
+        model_text = f"model {fitted.model}{given('model')} at {fitted.image_size} px{given('image_size')}"
+    line = (f"images {height}x{width} {colour} -> {model_text}; crop {crop}{given('crop_scale')}, "
+            f"flip {'on' if fitted.flip else 'off'}{given('flip')}: {kind}")  # fmt: skip
+    return fitted, line
 
 
 def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
@@ -117,20 +202,36 @@ class TrainConfig:
     """
 
     # data
-    data: str = _field("fashion-mnist", "dataset to train on")
+    data: str = _field(
+        "fashion-mnist",
+        "dataset name, or the path of a folder of images (FOLDER/<class>/<image>, optionally under FOLDER/train and "
+        "FOLDER/val) or of Parquet shards (`vitkit data pack`)",
+    )
     data_dir: str | None = _field(None, "directory holding the dataset's files (default: the usual places)")
     data_args: dict = _field({}, "extra dataset arguments, e.g. val_fraction=0.2 for imagefolder")
     image_size: int | None = _field(
-        None, "model resolution in pixels (default: the dataset's own, or the checkpoint's)"
+        None,
+        f"model resolution in pixels (default: the dataset's own; for image files, about their own size when under "
+        f"{SMALL_IMAGES} px, else {PHOTO_SIZE}; with --checkpoint, the checkpoint's)",
     )
-    crop_scale: tuple[float, float] | None = _field(None, "inception-crop area range MIN MAX (default: the dataset's)")
-    flip: bool | None = _field(None, "random horizontal flip (default: the dataset's choice, off for digits)")
+    crop_scale: tuple[float, float] | None = _field(
+        None,
+        "inception-crop area range MIN MAX (default: the dataset's; for image files: none when small, "
+        "0.05 1 for photographs)",
+    )
+    flip: bool | None = _field(
+        None, "random horizontal flip (default: the dataset's choice, off for digits and for small image files)"
+    )
     randaugment: tuple[int, int] | None = _field(None, "RandAugment OPS MAGNITUDE, e.g. 2 15 (default: off)")
     mixup: float = _field(0.0, "mixup Beta(alpha, alpha); 0 turns it off")
     train_images: int | None = _field(None, "train on a fixed random subset of this many images (data scaling)")
     workers: int = _field(0, "DataLoader worker processes for datasets decoded on the fly (image folders)")
     # model
-    model: str = _field("ViT-Ti/7", "variant name ViT-<Ti|S|B|L|H>/<patch> or R50+ViT-B/16 (see `vitkit models`)")
+    model: str | None = _field(
+        None,
+        "variant name ViT-<Ti|S|B|L|H>/<patch> or R50+ViT-B/16 (see `vitkit models`); default: ViT-Ti with a patch "
+        "fitted to the resolution (7 px at 28 px, 16 px at 224 px)",
+    )
     model_args: dict = _field(MAIN_JOB_MODEL_ARGS, "ViTConfig overrides, e.g. hidden_size=64,num_layers=4")
     checkpoint: str | None = _field(None, "start from this model file (any format load_checkpoint reads)")
     trainable: str = _field("full", "which parameters learn: head is a linear probe", TRAINABLE)
@@ -292,9 +393,13 @@ def resume_changes(saved: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
             f"--resume continues the saved run exactly, so {', '.join(refused)} cannot change; only "
             f"{', '.join(RESUMABLE)} can. Drop those options, or start a new run with them."
         )
-    if "epochs" in changes and "steps" not in changes:
-        changes = {**changes, "steps": None}  # the saved run counted steps; --epochs asks to count epochs
-    return saved.replace(**changes)
+    return saved.replace(**counting(changes))
+
+
+def counting(changes: dict[str, Any]) -> dict[str, Any]:
+    """`changes` to a config's fields, where `epochs` without `steps` asks to count epochs: `steps` is cleared
+    (a preset or a saved run may count steps)."""
+    return {**changes, "steps": None} if "epochs" in changes and "steps" not in changes else changes
 
 
 # ------------------------------------------------------------------------------------------------------------

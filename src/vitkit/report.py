@@ -283,8 +283,7 @@ CAPTIONS = {
         "added as 0.5&middot;A + 0.5&middot;I, the layers multiplied; Abnar &amp; Zuidema 2020) and the "
         "<b>occlusion map</b>. Rollout shows how attention carries information from the patches to "
         "{query}; it has one value per patch, upsampled, and it is <i>not</i> an attribution: a region can "
-        "receive attention and not matter for the prediction. The occlusion map is an attribution: {occlusion} "
-        "Green boxes are the known object boxes."
+        "receive attention and not matter for the prediction. The occlusion map is an attribution: {occlusion}"
     ),
     "attention_maps": (
         "Attention from {query} to every patch, for each layer (rows) and head (columns), on the first image. "
@@ -437,6 +436,7 @@ def write_report(
     query = html.escape(rollouts[0].query)
     fig = plot_saliency(samples, rollouts, occlusions, model.class_names)
     caption = CAPTIONS["saliency"].format(query=query, occlusion=OCCLUSION_CAPTIONS[occlusions[0].measure])
+    caption += " Green boxes are the known object boxes." if samples.boxes is not None else ""
     parts.append(figure("saliency", "Where the model looks, and what it uses", fig, caption))
     fig = plot_attention_maps(maps, images[0])
     caption = CAPTIONS["attention_maps"].format(query=query)

@@ -148,7 +148,7 @@ class ShardedDataset(Dataset):
         index = read_index(data_dir)
         if split not in index["splits"]:
             raise ValueError(f"split={split!r} is not in {data_dir}: it holds {', '.join(index['splits'])}.")
-        self.root = Path(data_dir or ".")
+        self.root = self.source = Path(data_dir or ".")
         self.classes = list(index["classes"])
         self.crop_scale, self.flip = tuple(index["crop_scale"]), bool(index["flip"])
         self.files = [self.root / s["file"] for s in index["splits"][split]]

@@ -33,7 +33,7 @@ from .architectures import Model, check_overrides, config_from_dict, model_from_
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig
-from .data import ImageArrayDataset, dataset_augmentation, describe, get_dataset, subset
+from .data import dataset_augmentation, describe, get_dataset, locate, subset, survey
 from .distributed import (
     World,
     all_gather_tensors,
@@ -51,9 +51,18 @@ from .distributed import (
 from .efficiency import count_params
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
-from .machine import resolve_precision
+from .machine import compile_quietly_on, resolve_precision
 from .model import VisionTransformer
-from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable, should_compile
+from .recipes import (
+    DEFAULT_VARIANT,
+    TrainConfig,
+    build_optimizer,
+    fit_to_data,
+    learning_rate,
+    resume_changes,
+    set_trainable,
+    should_compile,
+)
 from .runs import (
     SHARDED_CHECKPOINT,
     MetricsWindow,
@@ -114,7 +123,9 @@ def load_datasets(config: TrainConfig):
 
 def initial_model(config: TrainConfig, dataset) -> Model:
     """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
-    the new resolution, a new zero-initialised head)."""
+    the new resolution, a new zero-initialised head). The config's data-dependent defaults are fitted to the
+    dataset first (`recipes.fit_to_data`; nothing to do for a config that `train` has fitted)."""
+    config = fit_to_data(config, survey(config.data, dataset))[0]
     num_classes = len(dataset.classes)
     if config.checkpoint is not None:
         structural = {k: v for k, v in config.model_args.items() if k in ARCHITECTURE_FIELDS}
@@ -136,10 +147,7 @@ def initial_model(config: TrainConfig, dataset) -> Model:
             )
         model.reset_head(num_classes)
     else:
-        # The dataset's own resolution when it has one (in-memory splits, shapes); 224 for image folders.
-        native = tuple(dataset.images.shape[-2:]) if isinstance(dataset, ImageArrayDataset) else None
-        size = config.image_size or native or getattr(dataset, "image_size", 224)
-        model = new_model(config.model, image_size=size, num_classes=num_classes, **config.model_args)
+        model = new_model(str(config.model), image_size=config.image_size, num_classes=num_classes, **config.model_args)
     model.class_names = list(dataset.classes)
     return model
 
@@ -181,7 +189,10 @@ def train(
         config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
         run_path = Path(resume)
     else:
-        run_path = Path(config.out_dir) if config.out_dir else default_run_dir(config.data)
+        data, data_dir = locate(config.data, config.data_dir)  # a folder -> imagefolder or shards; a bad name fails now
+        name = Path(config.data).resolve().name if data != config.data else data
+        config = config.replace(data=data, data_dir=data_dir)
+        run_path = Path(config.out_dir) if config.out_dir else default_run_dir(name)
     world = init_world(config.device)
     if saved is None:
         try:
@@ -205,10 +216,14 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
     config = config.replace(precision=resolve_precision(config.precision, world.device))  # "auto" -> fp32 or bf16
-    if saved is None and config.checkpoint is None:
-        check_overrides(config.model, config.model_args)  # a typo fails now, not after the data has loaded
+    if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
+        check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
+    if saved is None:  # what config.json records: the model, resolution and augmentation chosen for this data
+        config, chosen = fit_to_data(config, survey(config.data, train_set))
+        if world.is_main:
+            print(chosen, flush=True)
     model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
     model.trained_on = describe(config.data, train_set)
     learning = set_trainable(model, config.trainable)
@@ -228,8 +243,9 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
     if saved is not None:
         restore(state, saved)  # the same weights on every process (DDP broadcast rank 0's when wrapping)
     else:
-        run.write_json("config.json", run_description(state, learning))
+        run.write_json("config.json", run_description(state, learning, train_set))
     if config.compile:
+        compile_quietly_on(world.device)
         state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
 
     final: EvalResult | None = None
@@ -344,12 +360,14 @@ def saved_model(saved: dict, dataset) -> Model:
     return model
 
 
-def run_description(state: TrainState, learning: list[str]) -> dict:
-    """config.json of a new run: the resolved configs, the classes and how the steps are planned."""
+def run_description(state: TrainState, learning: list[str], data) -> dict:
+    """config.json of a new run: the resolved configs, the classes, where the training `data` was read from,
+    and how the steps are planned."""
     return {
         "train": state.config.to_dict(),
         "model": state.model.config.to_dict(),
         "classes": state.model.class_names,
+        "data_source": str(getattr(data, "source", None) or "") or None,  # where the files were found, if any
         "augment": state.augment.__dict__,
         "world_size": state.world.size,
         "total_steps": state.plan.total,

@@ -1,0 +1,107 @@
+"""Defaults against hand-tuned options on a folder of small real images: scikit-learn's 1,797 digits (8x8
+grayscale, 10 classes) written as an image folder (train/ and val/, 80/20 per class), each run the same number
+of epochs. Writes a JSON record (machine, torch, date, commit, commands, accuracies) for docs/OWN_IMAGES.md.
+
+    python benchmarks/own_images.py --out benchmarks/results/own-images-digits-<cpu>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# The hand-tuned runs: resolution, patch and augmentation given explicitly, the same length as the defaults' run.
+NO_AUG = ["--crop-scale", "1", "1", "--flip", "false"]
+HAND_TUNED = {
+    "28 px, patch 7, no crop, no flip": ["--image-size", "28", "--model", "ViT-Ti/7", *NO_AUG],
+    "32 px, patch 8, no crop, no flip": ["--image-size", "32", "--model", "ViT-Ti/8", *NO_AUG],
+    "32 px, patch 4, no crop, no flip": ["--image-size", "32", "--model", "ViT-Ti/4", *NO_AUG],
+    "16 px, patch 4, no crop, no flip": ["--image-size", "16", "--model", "ViT-Ti/4", *NO_AUG],
+    "8 px, patch 2, no crop, no flip": ["--image-size", "8", "--model", "ViT-Ti/2", *NO_AUG],
+    "32 px, patch 8, crop 0.5-1, no flip": ["--image-size", "32", "--model", "ViT-Ti/8", "--crop-scale", "0.5", "1",
+                                            "--flip", "false"],
+    "32 px, patch 8, no crop, flip": ["--image-size", "32", "--model", "ViT-Ti/8", "--crop-scale", "1", "1",
+                                      "--flip", "true"],
+}  # fmt: skip
+
+
+def write_digits(root: Path, val_fraction: float = 0.2, seed: int = 0) -> int:
+    """sklearn's digits as ROOT/{train,val}/<digit>/<n>.png (0..16 scaled to 0..255); returns the image count."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    for label in range(10):
+        index = np.flatnonzero(digits.target == label)
+        rng.shuffle(index)
+        n_val = round(val_fraction * len(index))
+        for split, part in (("val", index[:n_val]), ("train", index[n_val:])):
+            folder = root / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in part:
+                pixels = np.round(digits.images[i] * 255 / 16).astype(np.uint8)
+                Image.fromarray(pixels, mode="L").save(folder / f"{i}.png")
+    return len(digits.target)
+
+
+def run(args: list[str], out_dir: Path) -> dict:
+    command = [sys.executable, "-m", "vitkit", "train", *args, "--out-dir", str(out_dir)]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((out_dir / "summary.json").read_text())
+    chosen = next((line for line in done.stdout.splitlines() if line.startswith("images ")), None)
+    return {"args": args, "chosen": chosen, "test_top1": summary["test_top1"],
+            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="JSON record to write")
+    parser.add_argument("--epochs", default="20", help="epochs of every run (default 20, vitkit's default)")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per setting (default 1)")
+    parser.add_argument("--threads", default="0", help="torch threads of every run (default 0: one per core)")
+    parser.add_argument("--only-defaults", action="store_true", help="skip the hand-tuned runs")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "digits"
+        count = write_digits(root)
+        settings = {"defaults": []} if args.only_defaults else {"defaults": [], **HAND_TUNED}
+        results = {}
+        for name, options in settings.items():
+            runs = []
+            for seed in range(args.seeds):
+                common = ["--data", str(root), "--epochs", args.epochs, "--seed", str(seed), "--threads", args.threads]
+                runs.append(run(common + options, Path(tmp) / f"run-{len(results)}-{seed}"))
+                print(f"{name} seed {seed}: {100 * runs[-1]['test_top1']:.2f}% in {runs[-1]['seconds']} s"
+                      f"  {runs[-1]['chosen'] or ''}", flush=True)  # fmt: skip
+            results[name] = {"runs": runs, "mean_test_top1": float(np.mean([r["test_top1"] for r in runs]))}
+    from vitkit.benchmark import record_header, write_record
+    from vitkit.machine import resolve_precision
+
+    record = {
+        **record_header("own-images"),
+        "what": "sklearn digits (1,797 8x8 grayscale images, 10 classes) as an image folder, 80/20 train/val",
+        "images": count,
+        "settings": {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
+        "precision": resolve_precision("auto"),
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_record(args.out, record)
+    print(json.dumps({k: round(100 * v["mean_test_top1"], 2) for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
