@@ -79,8 +79,10 @@ def test_convert_to_hf_onto_an_existing_file_and_inspect_out_onto_a_file_are_err
     assert status == 2 and "is a directory, and the timm format is one file" in err
     status, err = run_cli(["convert", checkpoint, str(tmp_path / "model.pth"), "--to", "timm"], capsys)
     assert status == 2 and "timm export writes safetensors" in err and not (tmp_path / "model.pth").exists()
-    for _ in range(2):  # timm's hub layout (no suffix) is a directory, written again onto itself
-        assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm"], capsys)[0] == 0
+    # timm's hub layout (no suffix) is a directory, written again onto itself only with --overwrite
+    assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm"], capsys)[0] == 0
+    assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm"], capsys)[0] == 2
+    assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm", "--overwrite"], capsys)[0] == 0
     assert {p.name for p in (tmp_path / "hub").iterdir()} == {"model.safetensors", "config.json"}
     status, err = run_cli(["inspect", "--checkpoint", checkpoint, "--out", str(existing)], capsys)
     assert status == 2 and err.count("\n") == 1 and "existing.txt is a file: the report is a folder" in err

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import vitkit
-from vitkit import kernels
 from vitkit import inference as opt
+from vitkit import kernels
 from vitkit.inference import PackedLinear, optimize
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "mlp_dim": 64, "num_heads": 4, "num_classes": 10, "image_size": 32}

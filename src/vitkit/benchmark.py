@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import ViTConfig, decode_variant
 from .efficiency import flops
-from .model import VisionTransformer
 from .inference import PackedLinear, bf16_is_native, optimize, packing_available
+from .model import VisionTransformer
 
 MODES = ("plain", "optimized")
 BENCH_PRECISIONS = ("fp32", "bf16")
@@ -371,13 +371,24 @@ def format_bench(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_bench(result: dict, path: str | Path) -> tuple[Path, Path]:
-    """The JSON at `path` and the Fig. 12-style plot beside it (same name, .png)."""
-    from .files import atomic_write
+def bench_files(path: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
+    """The JSON file `path` and the plot beside it (same name, .png); a FileExistsError if either exists, unless
+    `overwrite`."""
+    from .files import refuse_overwrite
 
     path = Path(path)
+    for file in (path, path.with_suffix(".png")):
+        refuse_overwrite(file, overwrite)
+    return path, path.with_suffix(".png")
+
+
+def write_bench(result: dict, path: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
+    """The JSON at `path` and the Fig. 12-style plot beside it (same name, .png); existing files are refused
+    unless `overwrite`."""
+    from .files import atomic_write
+
+    path, png = bench_files(path, overwrite)
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
-    png = path.with_suffix(".png")
     atomic_write(png, lambda tmp: plot_bench(result, tmp))
     return path, png
 
