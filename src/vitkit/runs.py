@@ -284,7 +284,7 @@ class StopRequest:
         self.requested = True
         again = "press Ctrl-C again" if signum == signal.SIGINT else "signal again"
         # os.write, not print: the handler may run inside a print to the same stream.
-        os.write(2, f"\nvitkit: {self.notice} ({again} to stop at once, without one)...\n".encode())
+        os.write(2, f"\nvitkit: {self.notice}; {again} to stop at once, without saving\n".encode())
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():

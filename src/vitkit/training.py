@@ -235,7 +235,7 @@ def _train_session(
     model.train()
     stop.stepping = True
     if config.compile:
-        stop.notice = f"stopping when step {state.step + 1} is done (compiling the model first can take a while)"
+        stop.notice = f"stopping after step {state.step + 1}, once the model has compiled (a while), with a checkpoint"
     try:
         micro_batches = None
         while state.step < plan.total:
