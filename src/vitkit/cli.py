@@ -531,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
         with from_command(args.command):
-            return args.func(args)
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here, where it is handled, not in the interpreter's exit
+            return status
     except KeyboardInterrupt as e:  # Ctrl-C (a second one, in training): what was left, in one line
         print(f"vitkit {args.command}: {e or 'stopped (Ctrl-C)'}", file=sys.stderr)
         return 130
