@@ -9,6 +9,7 @@ import base64
 import html
 import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from inspect import signature
 from pathlib import Path
@@ -47,7 +48,7 @@ class Samples:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def load_images(paths: list[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
+def load_images(paths: Sequence[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
     """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
     (aspect ratio not kept), normalised with `to_input`. Unreadable files are skipped with a warning naming
     each (with `strict`, the first is an ImageError); none readable is an error."""
