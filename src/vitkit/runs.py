@@ -271,14 +271,18 @@ class StopRequest:
         self.stepping = False  # the training steps have begun: a first signal waits for the current one
         self.notice = "stopping after the current step, with a checkpoint"
         self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
 
     def __enter__(self) -> StopRequest:
+        self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked DataLoader worker: the run's own process decides, and stops it
+            return
         if self.requested or not self.stepping:
             raise KeyboardInterrupt
         self.requested = True
