@@ -2,6 +2,7 @@
 exit status 2, never a traceback; names suggest the closest; sizes suggest valid ones."""
 
 import pytest
+import torch
 
 import vitkit
 from vitkit.cli import main
@@ -130,6 +131,11 @@ def test_errors_from_the_command_line_name_its_options_and_from_python_the_argum
     assert status == 2 and err.rstrip().endswith("See `vitkit models`."), err
     with pytest.raises(ValueError, match=r"See vitkit\.list_models\(\)\.$"):
         vitkit.decode_variant("ViT-Bx/16")
+    broken = vitkit.load_checkpoint(checkpoint)
+    torch.nn.init.constant_(broken.head.bias, float("nan"))
+    vitkit.export(broken, tmp_path / "nan.safetensors")
+    status, err = run_cli(["predict", "--checkpoint", str(tmp_path / "nan.safetensors"), str(image)], capsys)
+    assert status == 2 and "Pass --allow-nonfinite to load it anyway" in err, err
     assert run_cli(["convert", checkpoint, str(tmp_path / "kept"), "--to", "hf"], capsys)[0] == 0
     status, err = run_cli(["convert", checkpoint, str(tmp_path / "kept"), "--to", "hf"], capsys)
     assert status == 2 and "pass --overwrite to replace it" in err and "overwrite=True" not in err

@@ -12,7 +12,7 @@ from pathlib import Path
 from . import formats, pretrained
 from .architectures import Model, new_model
 from .config import ViTConfig, check_fields
-from .errors import CheckpointError
+from .errors import CheckpointError, spelled
 from .files import refuse_overwrite
 from .model import VisionTransformer
 
@@ -26,8 +26,8 @@ def check_finite(model: VisionTransformer, path: str | os.PathLike, allow_nonfin
     names += f", ... ({len(bad)} tensors in all)" if len(bad) > 12 else ""
     message = f"non-finite weights (NaN or infinity) in {names}: the model would predict NaN."
     if not allow_nonfinite:
-        raise CheckpointError(path, message + " Pass allow_nonfinite=True (--allow-nonfinite) to load it anyway.",
-                              key=bad[0][0])  # fmt: skip
+        fix = spelled("allow_nonfinite=True", "--allow-nonfinite")
+        raise CheckpointError(path, f"{message} Pass {fix} to load it anyway.", key=bad[0][0])
     warnings.warn(f"{path}: {message}", stacklevel=3)
 
 

@@ -262,6 +262,7 @@ def _train_session(
             save_checkpoint(state)
     finally:
         bar.close()
+    stop.notice = "finishing: the model and the plots are being written"
     if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
         final = run_evaluation(state, test_set)
     return finish(state, final, interrupted, started, (train_set, test_set))
