@@ -503,3 +503,25 @@ def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_stops_it_le
     status, err, noticed = signalled_train(once, "step 1", [signal.SIGINT], compile=True, delay=2)
     assert_clean_stop(status, err)
     assert read_checkpoint(once / "run")["step"] == 1  # the compile finished, step 1 ran and was saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_while_the_command_loads_its_modules_is_one_line_without_a_traceback(delay):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import subprocess_env
+
+    argv = [sys.executable, "-m", "vitkit", "models"]
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                             start_new_session=True)  # fmt: skip
+    time.sleep(delay)  # torch takes seconds to import
+    os.killpg(child.pid, signal.SIGINT)
+    assert child.stderr is not None
+    err = child.stderr.read()
+    status = child.wait(timeout=60)
+    assert status in (130, -signal.SIGINT), err  # exited with 130, or by the signal after its line
+    assert err.count("\n") == 1 and err.startswith("vitkit"), err
