@@ -7,10 +7,11 @@ import sys
 def run() -> int:
     try:
         from .cli import main
-    except KeyboardInterrupt:
+
+        return main()
+    except KeyboardInterrupt:  # before a command began (a command's own are answered in `main`)
         print("vitkit: stopped (Ctrl-C) while starting; nothing was done", file=sys.stderr)
         return 130
-    return main()
 
 
 if __name__ == "__main__":
