@@ -2,6 +2,7 @@
 exit status 2, never a traceback; names suggest the closest; sizes suggest valid ones."""
 
 import pytest
+import torch
 
 import vitkit
 from vitkit.cli import main
@@ -81,8 +82,10 @@ def test_convert_to_hf_onto_an_existing_file_and_inspect_out_onto_a_file_are_err
     assert status == 2 and "is a directory, and the timm format is one file" in err
     status, err = run_cli(["convert", checkpoint, str(tmp_path / "model.pth"), "--to", "timm"], capsys)
     assert status == 2 and "timm export writes safetensors" in err and not (tmp_path / "model.pth").exists()
-    for _ in range(2):  # timm's hub layout (no suffix) is a directory, written again onto itself
-        assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm"], capsys)[0] == 0
+    # timm's hub layout (no suffix) is a directory, written again onto itself only with --overwrite
+    assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm"], capsys)[0] == 0
+    assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm"], capsys)[0] == 2
+    assert run_cli(["convert", checkpoint, str(tmp_path / "hub"), "--to", "timm", "--overwrite"], capsys)[0] == 0
     assert {p.name for p in (tmp_path / "hub").iterdir()} == {"model.safetensors", "config.json"}
     status, err = run_cli(["inspect", "--checkpoint", checkpoint, "--out", str(existing)], capsys)
     assert status == 2 and err.count("\n") == 1 and "existing.txt is a file: the report is a folder" in err
@@ -110,3 +113,77 @@ def test_overrides_that_change_a_checkpoints_architecture_name_the_fields(checkp
     with pytest.raises(ValueError, match=r"change the architecture .*hidden_size 8 != 16, num_heads 2 != 4"):
         vitkit.load_checkpoint(checkpoint, hidden_size=16, num_heads=4)
     assert vitkit.load_checkpoint(checkpoint, drop_path_rate=0.1).config.drop_path_rate == 0.1
+
+
+def test_errors_from_the_command_line_name_its_options_and_from_python_the_arguments(tmp_path, capsys, checkpoint):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    image = tmp_path / "a.png"
+    image.write_bytes(b"")
+    status, err = run_cli(["predict", "--checkpoint", str(notes), str(image)], capsys)
+    assert status == 2 and err.count("\n") == 1 and "format=" not in err, err
+    assert f"convert it first with `vitkit convert {notes} OUT.safetensors --format FORMAT --to vitkit`" in err
+    status, err = run_cli(["convert", str(notes), str(tmp_path / "out.safetensors"), "--to", "vitkit"], capsys)
+    assert status == 2 and "pass --format, one of vitkit, npz" in err, err
+    with pytest.raises(ValueError, match="pass format= one of vitkit, npz"):
+        vitkit.load_checkpoint(notes)
+
+    status, err = run_cli(["train", "--model", "ViT-Bx/16", "--out-dir", str(tmp_path / "run")], capsys)
+    assert status == 2 and err.rstrip().endswith("See `vitkit models`."), err
+    with pytest.raises(ValueError, match=r"See vitkit\.list_models\(\)\.$"):
+        vitkit.decode_variant("ViT-Bx/16")
+    broken = vitkit.load_checkpoint(checkpoint)
+    torch.nn.init.constant_(broken.head.bias, float("nan"))
+    vitkit.export(broken, tmp_path / "nan.safetensors")
+    status, err = run_cli(["predict", "--checkpoint", str(tmp_path / "nan.safetensors"), str(image)], capsys)
+    assert status == 2 and "Pass --allow-nonfinite to load it anyway" in err, err
+    assert run_cli(["convert", checkpoint, str(tmp_path / "kept"), "--to", "hf"], capsys)[0] == 0
+    status, err = run_cli(["convert", checkpoint, str(tmp_path / "kept"), "--to", "hf"], capsys)
+    assert status == 2 and "pass --overwrite to replace it" in err and "overwrite=True" not in err
+
+
+def test_predict_with_no_readable_image_fails_naming_the_files(tmp_path, capsys, checkpoint):
+    for name in ("a.png", "b.jpg"):
+        (tmp_path / name).write_text("not an image\n")
+    status, err = run_cli(["predict", "--checkpoint", checkpoint, str(tmp_path / "a.png"), str(tmp_path / "b.jpg")],
+                          capsys)  # fmt: skip
+    assert status == 2, err
+    assert f"nothing predicted: none of the 2 file(s) is a readable image ({tmp_path / 'a.png'}, " in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_predict_into_a_closed_pipe_ends_quietly(tmp_path, checkpoint):
+    import subprocess
+    import sys
+
+    import numpy as np
+    from PIL import Image
+
+    from conftest import subprocess_env
+
+    for i in range(3):
+        Image.fromarray(np.full((16, 16, 3), 60 * i, np.uint8)).save(tmp_path / f"{i}.png")
+    child = subprocess.Popen([sys.executable, "-m", "vitkit", "predict", "--checkpoint", checkpoint, str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())  # fmt: skip
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # as `| head -0` would: every line printed meets a closed pipe
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 1
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.slow
+def test_inspect_image_takes_a_folder_like_predict(tmp_path, capsys, checkpoint):
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(2):
+        Image.fromarray(np.full((20, 24, 3), 90 * i, np.uint8)).save(folder / f"{i}.png")
+    status, err = run_cli(["inspect", "--checkpoint", checkpoint, "--image", str(folder), "--out", str(tmp_path / "r")],
+                          capsys)  # fmt: skip
+    assert status == 0, err
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert "0.png" in html and "1.png" in html

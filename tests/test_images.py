@@ -230,3 +230,10 @@ def test_training_on_an_image_folder_skips_bad_files_and_counts_them_in_the_summ
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_images"] == 8
     with pytest.raises(ImageError, match=r"train/a/(bomb\.png|empty\.jpg|notes\.png)"):
         train(TrainConfig(**{**spec, "strict": True, "out_dir": str(tmp_path / "strict")}))
+
+
+def test_a_folder_given_as_an_image_file_is_named_a_folder(tmp_path):
+    from vitkit.images import read_image
+
+    with pytest.raises(IsADirectoryError, match="a folder, not an image file"):
+        read_image(tmp_path)

@@ -389,3 +389,166 @@ def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_pa
     # may end during the soak, which a count would read as a leak.
     assert set(threading.enumerate()) <= threads
     assert children() == []  # no DataLoader worker left behind
+
+
+# --- signals sent to a real `vitkit train` process --------------------------------------------------------------
+
+# `vitkit train` (cli.main) in a child process that prints a marker as it enters each phase a signal is sent in, and
+# pauses there for half a second, so that signals land inside the phase: start-up, data loading, and each step
+# (with --compile true, step 1 compiles the model).
+SIGNALLED_TRAIN = """
+import sys, time
+from vitkit import cli, training
+
+def marked(name, function):
+    def wrapper(*args, **kwargs):
+        print(name, flush=True)
+        time.sleep(0.5)
+        return function(*args, **kwargs)
+    return wrapper
+
+training.init_world = marked("start-up", training.init_world)
+training.load_datasets = marked("data", training.load_datasets)
+step = training.train_step
+training.train_step = lambda state, batches: marked(f"step {state.step + 1}", step)(state, batches)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def signalled_train(tmp_path, phase: str, signals: list, compile=False, steps=200, delay=0.2, workers=0):
+    """Run a tiny `vitkit train` into tmp_path/run, send `signals` (0.1 s apart) to its process group (as a terminal
+    sends Ctrl-C) `delay` seconds after it prints `phase`; returns (exit status, stderr, seconds from the first
+    signal to its acknowledgement on stderr, or None)."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import subprocess_env
+
+    argv = [sys.executable, "-c", SIGNALLED_TRAIN, *train_args(tmp_path, compile, steps), "--workers", str(workers)]
+    err_path = tmp_path / f"stderr-{phase.replace(' ', '')}-{len(signals)}.txt"
+    with open(err_path, "w") as err:
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=subprocess_env(),
+                                 start_new_session=True)  # fmt: skip
+        assert child.stdout is not None
+        for line in child.stdout:
+            if line.strip() == phase:
+                break
+        else:
+            raise AssertionError(f"the run ended before {phase!r}: {err_path.read_text()[-2000:]}")
+        time.sleep(delay)
+        noticed = None
+        for n, sig in enumerate(signals):
+            os.killpg(child.pid, sig)
+            sent = time.perf_counter()
+            while n == 0 and time.perf_counter() - sent < 2 and child.poll() is None:
+                if "vitkit: stopping" in err_path.read_text():
+                    noticed = time.perf_counter() - sent
+                    break
+                time.sleep(0.01)
+            time.sleep(0.1)
+        child.stdout.read()
+        status = child.wait(timeout=300)
+    return status, err_path.read_text(), noticed
+
+
+def train_args(tmp_path, compile: bool = False, steps: int = 200) -> list[str]:
+    return ["train", "--data", "shapes", "--data-args", '{"size": 48, "image_size": 16}', "--model", "ViT-Ti/8",
+            "--model-args", '{"hidden_size": 16, "num_layers": 2, "mlp_dim": 32, "num_heads": 2}', "--batch-size",
+            "8", "--steps", str(steps), "--eval-every", "0", "--threads", "1", "--precision", "fp32", "--compile",
+            str(compile).lower(), "--out-dir", str(tmp_path / "run")]  # fmt: skip
+
+
+def assert_clean_stop(status: int, err: str) -> None:
+    import re
+
+    assert status == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    torch_log = re.compile(r"[WI]\d{4} ")  # a warning torch logs itself (while compiling)
+    assert all(line.startswith("vitkit") or torch_log.match(line) for line in err.splitlines() if line), err
+
+
+def assert_reused_without_overwrite(tmp_path) -> None:
+    """The folder left is recognised as never started: the same command (shortened) runs in it to the end."""
+    assert main(train_args(tmp_path, steps=2)) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase, sig", [("start-up", "SIGINT"), ("start-up", "SIGTERM"), ("data", "SIGINT"),
+                                        ("data", "SIGTERM")])  # fmt: skip
+def test_a_signal_before_the_first_step_stops_at_once_leaving_a_folder_the_same_command_reuses(tmp_path, phase, sig):
+    import signal
+
+    status, err, _ = signalled_train(tmp_path, phase, [getattr(signal, sig)])
+    assert_clean_stop(status, err)
+    assert "stopped before the run started; nothing was written" in err or "the same command starts the run" in err
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert_reused_without_overwrite(tmp_path)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_steps_stops_after_the_step_with_a_checkpoint_and_twice_stops_at_once(tmp_path):
+    import signal
+
+    status, err, noticed = signalled_train(tmp_path, "step 5", [signal.SIGINT], workers=2)
+    assert_clean_stop(status, err)
+    assert noticed is not None and noticed < 1.0, err
+    # Once: the DataLoader workers, forked with the handler, leave the signal to the run's own process.
+    assert err.count("vitkit: stopping after the current step, with a checkpoint; press Ctrl-C again to stop") == 1
+    step = read_checkpoint(tmp_path / "run")["step"]
+    assert step >= 5
+    assert main(["train", "--resume", str(tmp_path / "run"), "--steps", str(step + 2)]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"][-1] == step + 2
+
+    other = tmp_path / "twice"
+    other.mkdir()
+    status, err, _ = signalled_train(other, "step 5", [signal.SIGINT, signal.SIGINT])  # both within step 5
+    assert_clean_stop(status, err)
+    assert "stopped at once, before the first checkpoint: nothing to resume" in err, err
+    assert not (other / "run" / "checkpoint.pt").exists()
+    assert_reused_without_overwrite(other)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_stops_it_leaving_a_reusable_folder(tmp_path):
+    import signal
+
+    from vitkit.inference import compiler_present
+
+    if not compiler_present(torch.device("cpu")):
+        pytest.skip("torch.compile on a CPU needs a C++ compiler and Python's C headers (python3-dev)")
+    # 2 s into step 1: inside the compilation, which takes longer than that even from a warm cache
+    status, err, noticed = signalled_train(tmp_path, "step 1", [signal.SIGINT, signal.SIGINT], compile=True, delay=2)
+    assert_clean_stop(status, err)
+    assert noticed is not None and noticed < 1.0, err
+    assert "stopping after step 1, once the model has compiled" in err
+    assert "stopped at once, before the first checkpoint" in err
+    assert_reused_without_overwrite(tmp_path)
+    once = tmp_path / "once"
+    once.mkdir()
+    status, err, noticed = signalled_train(once, "step 1", [signal.SIGINT], compile=True, delay=2)
+    assert_clean_stop(status, err)
+    assert read_checkpoint(once / "run")["step"] == 1  # the compile finished, step 1 ran and was saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_while_the_command_loads_its_modules_is_one_line_without_a_traceback(delay):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import subprocess_env
+
+    argv = [sys.executable, "-m", "vitkit", "models"]
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                             start_new_session=True)  # fmt: skip
+    time.sleep(delay)  # torch takes seconds to import
+    os.killpg(child.pid, signal.SIGINT)
+    assert child.stderr is not None
+    err = child.stderr.read()
+    status = child.wait(timeout=60)
+    assert status in (130, -signal.SIGINT), err  # exited with 130, or by the signal after its line
+    assert err.count("\n") == 1 and err.startswith("vitkit"), err

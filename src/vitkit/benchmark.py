@@ -409,12 +409,24 @@ def format_bench(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_bench(result: dict, path: str | Path) -> tuple[Path, Path]:
-    """The JSON at `path` and the Fig. 12-style plot beside it (same name, .png)."""
+def bench_files(path: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
+    """The JSON file `path` and the plot beside it (same name, .png); a FileExistsError if either exists, unless
+    `overwrite`."""
+    from .files import refuse_overwrite
+
+    path = Path(path)
+    for file in (path, path.with_suffix(".png")):
+        refuse_overwrite(file, overwrite)
+    return path, path.with_suffix(".png")
+
+
+def write_bench(result: dict, path: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
+    """The JSON at `path` and the Fig. 12-style plot beside it (same name, .png); existing files are refused
+    unless `overwrite`."""
     from .files import atomic_write
 
-    path = write_record(path, result)
-    png = path.with_suffix(".png")
+    path, png = bench_files(path, overwrite)
+    write_record(path, result)
     atomic_write(png, lambda tmp: plot_bench(result, tmp))
     return path, png
 

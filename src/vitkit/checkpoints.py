@@ -12,7 +12,8 @@ from pathlib import Path
 from . import formats, pretrained
 from .architectures import Model, new_model
 from .config import ViTConfig, check_fields
-from .errors import CheckpointError
+from .errors import CheckpointError, spelled
+from .files import refuse_overwrite
 from .model import VisionTransformer
 
 
@@ -25,9 +26,8 @@ def check_finite(model: VisionTransformer, path: str | os.PathLike, allow_nonfin
     names += f", ... ({len(bad)} tensors in all)" if len(bad) > 12 else ""
     message = f"non-finite weights (NaN or infinity) in {names}: the model would predict NaN."
     if not allow_nonfinite:
-        raise CheckpointError(
-            path, message + " Pass allow_nonfinite=True (--allow-nonfinite) to load it anyway.", key=bad[0][0]
-        )
+        fix = spelled("allow_nonfinite=True", "--allow-nonfinite")
+        raise CheckpointError(path, f"{message} Pass {fix} to load it anyway.", key=bad[0][0])
     warnings.warn(f"{path}: {message}", stacklevel=3)
 
 
@@ -113,11 +113,11 @@ def create_model(name: str, pretrained: str | None = None, **overrides) -> Model
     return new_model(name, **overrides)
 
 
-def export(model: Model, path: str | os.PathLike, format: str = "vitkit") -> None:
+def export(model: Model, path: str | os.PathLike, format: str = "vitkit", *, overwrite: bool = False) -> None:
     """Write `model` in `format` (atomically): "vitkit" (a file), "hf" (a directory), "timm" (a safetensors
     state dict; a path without a suffix: timm's hub directory) or "npz" (the official layout). Class names travel
     in vitkit and timm metadata and in Hugging Face's id2label. A BiT ResNet baseline is written in vitkit's
-    format only."""
+    format only. An existing file or non-empty directory at `path` is a FileExistsError unless `overwrite`."""
     if not isinstance(model, VisionTransformer) and format != "vitkit":
         raise ValueError(
             f"format={format!r} holds Vision Transformers only: export a {type(model).__name__} with format='vitkit'."
@@ -130,4 +130,5 @@ def export(model: Model, path: str | os.PathLike, format: str = "vitkit") -> Non
         raise FileExistsError(f"{path} is a file, and {layout} is a directory: give a new path.")
     if not directory and path.is_dir():
         raise IsADirectoryError(f"{path} is a directory, and the {format} format is one file: give a file path.")
+    refuse_overwrite(path, overwrite)
     module.export(model, path)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
+import os
 import re
 import sys
 import warnings
@@ -17,7 +19,7 @@ from .benchmark import BENCH_PRECISIONS
 from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
-from .errors import NonFiniteError, WorkerError
+from .errors import NonFiniteError, WorkerError, from_command
 from .inference import optimize
 from .machine import resolve_precision, retain_freed_memory
 from .model import VisionTransformer
@@ -67,7 +69,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        export(model, args.dst, format=args.to)
+        export(model, args.dst, format=args.to, overwrite=args.overwrite)
     for warning in caught:
         print(f"vitkit convert: warning: {warning.message}", file=sys.stderr)
     c = model.config
@@ -82,20 +84,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
+    from .evaluation import image_files
     from .report import dataset_samples, load_images, occlusion_plan, write_report
 
     model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"{args.checkpoint} holds a {type(model).__name__}: the analysis figures are a ViT's.")
     if args.image:
-        samples = load_images(args.image, model, strict=args.strict)
+        samples = load_images(image_files(args.image), model, strict=args.strict)
     else:
         samples = dataset_samples(args.data, args.samples, model, split=args.split)
     samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
     print(occlusion_plan(model, samples.images.shape[0], args.stride), flush=True)
     path = write_report(
-        model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}", stride=args.stride, progress=True
-    )
+        model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}", stride=args.stride, progress=True,
+        overwrite=args.overwrite,
+    )  # fmt: skip
     print(f"wrote {path} ({samples.images.shape[0]} image(s))")
     return 0
 
@@ -111,6 +115,7 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         seed=args.seed,
         progress=True,
+        overwrite=args.overwrite,
     )
     for split, shards in index["splits"].items():
         print(f"{split}: {sum(s['count'] for s in shards)} images in {len(shards)} shards")
@@ -136,9 +141,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """The paper's Fig. 12 for a variant on this machine: a table, and with --out a JSON file and a plot."""
     import torch
 
-    from .benchmark import bench, format_bench, write_bench
+    from .benchmark import bench, bench_files, format_bench, write_bench
     from .distributed import resolve_device
 
+    if args.out:
+        bench_files(args.out, args.overwrite)  # refused now, not after the measurements
     if args.threads < 0:
         raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
     if args.threads:
@@ -159,7 +166,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print(format_bench(result))
     if args.out:
-        json_path, png_path = write_bench(result, args.out)
+        json_path, png_path = write_bench(result, args.out, args.overwrite)
         print(f"wrote {json_path} and {png_path}")
     return 0
 
@@ -259,9 +266,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
         for note in input_notes(model, read_image(path)):
             print(f"  note: {note}")
-    skipped = sum(top is None for top in results)
+    skipped = [str(path) for path, top in zip(files, results) if top is None]
+    if skipped and len(skipped) == len(files):
+        shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        raise ValueError(f"nothing predicted: none of the {len(files)} file(s) is a readable image ({shown}).")
     if skipped:
-        print(f"{skipped} unreadable image file(s) skipped")
+        print(f"{len(skipped)} unreadable image file(s) skipped")
     return 0
 
 
@@ -277,6 +287,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             out=args.out,
             checkpoint=args.checkpoint,
             threads=args.threads,
+            overwrite=args.overwrite,
         )
     except KeyboardInterrupt as e:
         print(f"vitkit experiment: interrupted ({e or 'Ctrl-C'}); finished runs are kept.", file=sys.stderr)
@@ -393,6 +404,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _add_overwrite_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what} if it exists (default: refuse)")
+
+
 def _add_reading_options(p: argparse.ArgumentParser, images: bool = True) -> None:
     p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint with NaN/Inf weights (warns)")
     if images:
@@ -422,13 +437,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--to", required=True, choices=formats.WRITABLE, help="output format")
     p.add_argument("--format", default="auto", choices=("auto", *formats.FORMATS), help="input format")
+    _add_overwrite_option(p, "DST")
     _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--image", nargs="+", metavar="PATH", help="image files (resized to the model's resolution)")
+    source.add_argument("--image", nargs="+", metavar="PATH",
+                        help="image files, or directories of them (resized to the model's resolution)")  # fmt: skip
     datasets = _choices("data") or ()
     source.add_argument(
         "--data",
@@ -440,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
     p.add_argument("--split", default="test", choices=("train", "test"), help="split of --data (default test)")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.html")
+    _add_overwrite_option(p, "the files in --out")
     p.add_argument(
         "--stride",
         type=int,
@@ -502,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--checkpoint", help=f"pre-trained model (default {PRETRAINED}; tiny: a random stand-in)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    _add_overwrite_option(p, "the experiment's results of another --preset, --seeds or --checkpoint")
     p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("data", help="prepare datasets: `vitkit data pack ROOT OUT` writes Parquet shards")
@@ -514,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out for test without ROOT/val (0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the order the samples are written in (default 0)")
+    _add_overwrite_option(p, "the files in OUT")
     p.set_defaults(func=cmd_data_pack)
 
     p = sub.add_parser("predict", help="top-k classes of image files")
@@ -553,6 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gb", type=float, help="report the largest batch that fits this memory")
     _add_execution_options(p)
     p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
+    _add_overwrite_option(p, "--out and its plot")
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -565,7 +586,17 @@ def main(argv: list[str] | None = None) -> int:
     formatwarning = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *rest: f"vitkit {args.command}: warning: {message}\n"
     try:
-        return args.func(args)
+        with from_command(args.command):
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here, where it is handled, not in the interpreter's exit
+            return status
+    except KeyboardInterrupt as e:  # Ctrl-C (a second one, in training): what was left, in one line
+        print(f"vitkit {args.command}: {e or 'stopped (Ctrl-C)'}", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # stdout closed early (`vitkit predict ... | head`): end quietly, as Python's docs do
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor needs nothing
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the last flush at exit would fail again
+        return 1
     except (
         ValueError,
         FileNotFoundError,

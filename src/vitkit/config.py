@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import spelled
+
 CLASSIFIERS = ("token", "gap")
 POSEMBS = ("learn", "learn2d", "relative", "sincos2d", "none")
 ACTS = ("gelu", "gelu_tanh")
@@ -233,7 +235,7 @@ def decode_variant(name: str, **overrides: Any) -> ViTConfig:
         hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
         raise ValueError(
             f"unknown model name {name!r}: use 'ViT-<Ti|S|B|L|H>/<patch>' or 'R50+ViT-B/16'.{hint} "
-            "See vitkit.list_models()."
+            f"See {spelled('vitkit.list_models()', '`vitkit models`')}."
         )
     stem, size, patch = match.group(1), match.group(2), int(match.group(3))
     size = {s.lower(): s for s in SIZES}[size.lower()]

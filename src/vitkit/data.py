@@ -461,15 +461,23 @@ def pack_image_folder(
     val_fraction: float = 0.1,
     seed: int = 0,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Write the train and test splits of the image folder `root` (as `imagefolder` splits it) as Parquet shards of
     about `samples_per_shard` samples in `out_dir` (`shards.pack_splits`); returns the index it writes.
-    `progress` shows a bar per split on a terminal (none in a log)."""
+    `progress` shows a bar per split on a terminal (none in a log); a non-empty `out_dir` is refused unless
+    `overwrite`."""
     if not Path(root).is_dir():
         raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
     splits = {split: ImageFolder(split, root, val_fraction=val_fraction) for split in ("train", "test")}
     return pack_splits(
-        splits, out_dir, samples_per_shard=samples_per_shard, seed=seed, source=str(root), progress=progress
+        splits,
+        out_dir,
+        samples_per_shard=samples_per_shard,
+        seed=seed,
+        source=str(root),
+        progress=progress,
+        overwrite=overwrite,
     )
 
 

@@ -5,11 +5,36 @@ Both are `ValueError`s, so code that already catches `ValueError` (the CLI's exi
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from typing import TypeVar
 
 T = TypeVar("T")
+
+_COMMAND: ContextVar[str | None] = ContextVar("vitkit_command", default=None)
+
+
+@contextlib.contextmanager
+def from_command(command: str) -> Iterator[None]:
+    """Mark what runs inside as the `vitkit COMMAND` sub-command, so errors name its options (`spelled`)."""
+    token = _COMMAND.set(command)
+    try:
+        yield
+    finally:
+        _COMMAND.reset(token)
+
+
+def running_command() -> str | None:
+    """The `vitkit` sub-command being run, or None when the library is called from Python."""
+    return _COMMAND.get()
+
+
+def spelled(argument: str, option: str) -> str:
+    """The fix an error names, as the caller gives it: the library's `argument` (`overwrite=True`), or from the
+    command line its `option` (`--overwrite`)."""
+    return argument if _COMMAND.get() is None else option
 
 
 class CheckpointError(ValueError):

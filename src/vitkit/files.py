@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError
+from .errors import CheckpointError, spelled
 
 Tensors = dict[str, torch.Tensor]
 
@@ -48,6 +48,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
             raise OSError(e.errno, f"{path}: writing failed ({e.strerror or e}); {kept}") from e
         raise
     fsync(path.parent)
+
+
+def refuse_overwrite(path: str | os.PathLike, overwrite: bool = False) -> None:
+    """A FileExistsError when `path` is an existing file or a non-empty directory, unless `overwrite`: no writer
+    replaces what is there without being asked. Every writer calls it before it writes anything."""
+    path = Path(path)
+    if overwrite or not (path.exists() or path.is_symlink()):
+        return
+    if path.is_dir():
+        if not any(path.iterdir()):
+            return
+        run = any((path / name).exists() for name in ("metrics.jsonl", "checkpoint.pt", "checkpoint"))
+        kind = "a training run's directory" if run else "a non-empty directory"
+    else:
+        kind = "a file"
+    raise FileExistsError(f"{path} already exists ({kind}): pass {spelled('overwrite=True', '--overwrite')} to "
+                          "replace it.")  # fmt: skip
 
 
 def fsync(path: str | os.PathLike) -> None:

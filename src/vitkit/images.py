@@ -29,6 +29,10 @@ def _open(path: str | os.PathLike, max_pixels: int, data: bytes | None = None):
     from PIL import Image, UnidentifiedImageError
 
     path = Path(path)
+    if data is None and path.is_dir():
+        raise IsADirectoryError(
+            f"{path}: a folder, not an image file; `vitkit.evaluation.image_files` lists its images."
+        )
     if data is None and not path.is_file():
         raise FileNotFoundError(f"{path}: no such image file.")
     if (path.stat().st_size if data is None else len(data)) == 0:

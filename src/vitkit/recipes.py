@@ -270,7 +270,9 @@ class TrainConfig:
     eval_batch_size: int = _field(1000, "batch size of the evaluations")
     log_every: int = _field(20, "steps between lines of metrics.jsonl")
     out_dir: str | None = _field(None, "run directory (default: runs/<data>-<time>)")
-    overwrite: bool = _field(False, "replace a run already in out_dir (otherwise refused: continue it with --resume)")
+    overwrite: bool = _field(
+        False, "replace a run or other files already in out_dir (otherwise refused: continue a run with --resume)"
+    )
     strict: bool = _field(False, "an unreadable image file stops the run (otherwise it is skipped and counted)")
     nonfinite: str = _field(
         "stop", "a NaN/Inf loss or gradient: stop the run at that step, or skip the step", NONFINITE

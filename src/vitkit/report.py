@@ -9,6 +9,7 @@ import base64
 import html
 import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from inspect import signature
 from pathlib import Path
@@ -23,7 +24,7 @@ from matplotlib.patches import Rectangle
 from . import analysis as vi
 from .data import DATASETS, get_dataset, to_input
 from .errors import ImageError
-from .files import atomic_write
+from .files import atomic_write, refuse_overwrite
 from .images import SkipLog, read_image
 from .model import VisionTransformer
 
@@ -47,7 +48,7 @@ class Samples:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def load_images(paths: list[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
+def load_images(paths: Sequence[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
     """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
     (aspect ratio not kept), normalised with `to_input`. Unreadable files are skipped with a warning naming
     each (with `strict`, the first is an ImageError); none readable is an error."""
@@ -401,16 +402,18 @@ def write_report(
     title: str = "",
     stride: int | None = None,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Compute every figure of `vitkit.analysis` for `model` on `samples`, write each as a PNG into `out_dir`
     and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file. `stride` is the
     occlusion windows' (default: half a patch); `progress` shows a bar of the occlusion forward passes on a
-    terminal."""
+    terminal. A non-empty `out_dir` is a FileExistsError unless `overwrite`."""
     from tqdm import tqdm
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file: the report is a folder (PNGs and report.html); give a new path.")
+    refuse_overwrite(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     images, n = samples.images, samples.images.shape[0]
     rollouts = [vi.attention_rollout(model, image) for image in images]

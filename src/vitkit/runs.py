@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .distributed import read_sharded_state
-from .files import atomic_write
+from .files import atomic_write, refuse_overwrite
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"
@@ -91,16 +91,22 @@ RUN_FILES = (
     "curves.png",
     "confusion.png",
 )
+RUN_FOLDERS = ("tensorboard", f".{SHARDED_CHECKPOINT}.old", f".{SHARDED_CHECKPOINT}.tmp")
+# What a run writes before its first checkpoint: a folder holding only these never started, and is reused.
+NEVER_STARTED = ("config.json", "metrics.jsonl", "tensorboard")
 
 
 def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True) -> None:
-    """Make sure a new run does not write over one already in `path`: refuse, pointing to --resume, or (with
-    `overwrite`) remove the old run's files first (by the main process)."""
+    """Make sure a new run does not write over anything in `path`: a run that saved a checkpoint or finished is
+    refused, pointing to --resume; other files are refused as `files.refuse_overwrite` refuses them. With
+    `overwrite`, or when the run there never reached its first checkpoint (interrupted while starting), the old
+    run's files are removed first (by the main process)."""
     path = Path(path)
-    found = [name for name in RUN_FILES if (path / name).exists()]
-    if not found:
-        return
-    if not overwrite:
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file: a run directory is a folder; choose another --out-dir.")
+    found = [name for name in (*RUN_FILES, *RUN_FOLDERS) if (path / name).exists()]
+    started = [name for name in found if name not in NEVER_STARTED]
+    if started and not overwrite:
         where = "a finished run" if "model.safetensors" in found else "a run"
         if CHECKPOINT in found:
             try:
@@ -112,14 +118,15 @@ def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True
             f"{path} already holds {where}: continue it with `vitkit train --resume {path}`, or pass --overwrite "
             "to replace it, or choose another --out-dir."
         )
+    others = [p for p in path.iterdir() if p.name not in found and not p.name.endswith(".tmp")] if found else []
+    if others or not found:
+        refuse_overwrite(path, overwrite)
     if is_main:
         for name in found:
-            if (path / name).is_dir():  # an FSDP run's checkpoint/
+            if (path / name).is_dir():  # tensorboard/, an FSDP run's checkpoint/
                 shutil.rmtree(path / name)
             else:
                 (path / name).unlink()
-        for folder in ("tensorboard", f".{SHARDED_CHECKPOINT}.old", f".{SHARDED_CHECKPOINT}.tmp"):
-            shutil.rmtree(path / folder, ignore_errors=True)
 
 
 def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -135,6 +142,21 @@ def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
             f"{path}: no resumable checkpoint. --resume takes a run directory written by `vitkit train`."
         )
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def stopped_at_once(run_dir: str | os.PathLike) -> str:
+    """What a run stopped at once (a second Ctrl-C) leaves in `run_dir`, and how to go on from it."""
+    try:
+        step = read_checkpoint(run_dir)["step"]
+    except Exception:  # none, or unreadable: nothing to resume either way
+        step = None
+    if step is not None:
+        resume = f"`vitkit train --resume {run_dir}`"
+        return f"stopped at once; {run_dir} keeps the checkpoint of step {step}: continue with {resume}"
+    if Path(run_dir).is_dir():
+        again = f"the same command starts the run afresh in {run_dir}"
+        return f"stopped at once, before the first checkpoint: nothing to resume; {again}"
+    return "stopped before the run started; nothing was written"
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -248,22 +270,34 @@ class MetricsWindow:
 
 
 class StopRequest:
-    """Ctrl-C / SIGTERM ask the run to stop after the current step (a second Ctrl-C stops at once)."""
+    """Ctrl-C / SIGTERM during a run. Before its steps begin (start-up, data loading) the run stops at once, having
+    saved nothing; once they run, it stops after the current step, with a checkpoint (`requested`); a second
+    signal stops it at once. Each signal is acknowledged on stderr as it arrives, with `notice` saying when the
+    run will stop (the loop keeps it current: the first step compiles the model, which can take a while)."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.stepping = False  # the training steps have begun: a first signal waits for the current one
+        self.notice = "stopping after the current step, with a checkpoint"
         self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
 
     def __enter__(self) -> StopRequest:
+        self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
+        if os.getpid() != self._pid:  # a forked DataLoader worker: the run's own process decides, and stops it
+            return
+        if self.requested or not self.stepping:
             raise KeyboardInterrupt
         self.requested = True
+        again = "press Ctrl-C again" if signum == signal.SIGINT else "signal again"
+        # os.write, not print: the handler may run inside a print to the same stream.
+        os.write(2, f"\nvitkit: {self.notice}; {again} to stop at once, without saving\n".encode())
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():

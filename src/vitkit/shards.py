@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from .errors import reporting_dead_workers
-from .files import atomic_write
+from .files import atomic_write, refuse_overwrite
 from .images import read_image
 
 if TYPE_CHECKING:
@@ -70,16 +70,19 @@ def pack_splits(
     seed: int,
     source: str,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Write each of `splits` ("train", "test") as Parquet shards of about `samples_per_shard` samples in
     `out_dir`, in an order shuffled with `seed`; returns the index also written to `out_dir/index.json`.
-    `progress` shows a bar of the images packed per split on a terminal (none in a log).
+    `progress` shows a bar of the images packed per split on a terminal (none in a log). A non-empty `out_dir`
+    is a FileExistsError unless `overwrite`.
     (`data.pack_image_folder` packs an image folder through this.)"""
     from tqdm import tqdm
 
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard={samples_per_shard} must be at least 1.")
     out = Path(out_dir)
+    refuse_overwrite(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     index_splits, classes = {}, None
     for split, folder in splits.items():

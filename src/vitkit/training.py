@@ -72,6 +72,7 @@ from .runs import (
     default_run_dir,
     plot_run,
     read_checkpoint,
+    stopped_at_once,
     truncate_metrics,
 )
 from .shards import ShardedDataset, check_data_order
@@ -183,16 +184,28 @@ def train(
     if changes and resume is None:
         raise ValueError("changes= applies to a resumed run: give resume=RUN_DIR, or put them in the config.")
     config = config or TrainConfig()
-    saved = None
     if resume is not None:
-        saved = read_checkpoint(resume)
-        config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
         run_path = Path(resume)
     else:
         data, data_dir = locate(config.data, config.data_dir)  # a folder -> imagefolder or shards; a bad name fails now
         name = Path(config.data).resolve().name if data != config.data else data
         config = config.replace(data=data, data_dir=data_dir)
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(name)
+    with StopRequest() as stop:
+        try:
+            return _start(config, run_path, resume, changes, stop_after, stop)
+        except KeyboardInterrupt:  # a signal before the steps began, or a second one
+            raise KeyboardInterrupt(stopped_at_once(run_path)) from None
+
+
+def _start(
+    config: TrainConfig, run_path: Path, resume, changes: dict | None, stop_after: int | None, stop: StopRequest
+) -> TrainResult:
+    """Claim the run directory (or read the checkpoint to resume), then run the session on its processes."""
+    saved = None
+    if resume is not None:
+        saved = read_checkpoint(resume)
+        config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
     world = init_world(config.device)
     if saved is None:
         try:
@@ -205,13 +218,15 @@ def train(
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        return _train_session(config, world, run_path, saved, stop_after)
+        return _train_session(config, world, run_path, saved, stop_after, stop)
     finally:
         torch.set_num_threads(threads)
         close_world(world)
 
 
-def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dict | None, stop_after: int | None):
+def _train_session(
+    config: TrainConfig, world: World, run_path: Path, saved: dict | None, stop_after: int | None, stop: StopRequest
+) -> TrainResult:
     """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
@@ -253,12 +268,16 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
         total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step", dynamic_ncols=True
     )
     model.train()
-    with StopRequest() as stop:
+    stop.stepping = True
+    if config.compile:
+        stop.notice = f"stopping after step {state.step + 1}, once the model has compiled (a while), with a checkpoint"
+    try:
         micro_batches = None
         while state.step < plan.total:
             if micro_batches is None or state.step % plan.steps_per_epoch == 0:  # started, resumed or a new epoch
                 micro_batches = epoch_micro_batches(train_set, state)
             lr = train_step(state, micro_batches)
+            stop.notice = "stopping after the current step, with a checkpoint"
             bar.update(1)
             if state.step % config.log_every == 0 or state.step == plan.total:
                 record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, config.batch_size)
@@ -279,7 +298,9 @@ def _train_session(config: TrainConfig, world: World, run_path: Path, saved: dic
         interrupted = state.step < plan.total
         if interrupted:
             save_checkpoint(state)
-    bar.close()
+    finally:
+        bar.close()
+    stop.notice = "finishing: the model and the plots are being written"
     if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
         final = run_evaluation(state, test_set)
     return finish(state, final, interrupted, started, (train_set, test_set))
@@ -530,14 +551,14 @@ def save_model(state: TrainState, name: str) -> None:
     a sharded model is gathered first."""
     if not is_sharded(state.model):
         if state.world.is_main:
-            export(state.model, state.run.path / name)
+            export(state.model, state.run.path / name, overwrite=True)  # best.safetensors: the newest best
         return
     weights = full_state_dict(state.model)
     if weights is not None:  # the main process
         whole = model_from_config(state.model.config)
         whole.load_state_dict(weights)
         whole.class_names, whole.trained_on = state.model.class_names, state.model.trained_on
-        export(whole, state.run.path / name)
+        export(whole, state.run.path / name, overwrite=True)
 
 
 def bytes_tensor(text: str) -> torch.Tensor:

@@ -123,3 +123,46 @@ def test_timm_hub_directory_export_builds_in_timm_from_its_config_alone(tmp_path
         torch.testing.assert_close(theirs(x), ours(x), atol=1e-5, rtol=0)
     back = vitkit.load_checkpoint(tmp_path / "hub")
     assert back.config == ours.config and back.class_names == ours.class_names
+
+
+@pytest.mark.slow
+def test_timm_transform_from_the_export_the_hf_pipeline_and_vitkit_agree_on_a_non_square_photo(tmp_path):
+    """The exported `pretrained_cfg` states vitkit's preprocessing (the whole image resized, bilinear, to [-1, 1]):
+    timm's transform built from it alone gives vitkit's input pixels to within one grey level (PIL rounds its
+    resize to 8 bits) on a 451x300 photo, and timm, the Hugging Face pipeline and `vitkit.predict` agree on the
+    top class and to 1e-2 in every probability."""
+    import timm
+    from PIL import Image
+    from skimage.data import chelsea
+    from timm.data import create_transform, resolve_data_config
+    from transformers import pipeline
+
+    from vitkit.data import read_image, to_input
+
+    torch.manual_seed(0)
+    model = vitkit.create_model("ViT-Ti/8", image_size=32, num_classes=5, hidden_size=32, num_layers=2, mlp_dim=64,
+                                num_heads=2)  # fmt: skip
+    torch.nn.init.normal_(model.head.weight, std=0.3)
+    model.class_names = ["cat", "dog", "fox", "owl", "yak"]
+    vitkit.export(model, tmp_path / "timm", format="timm")
+    vitkit.export(model, tmp_path / "hf", format="hf")
+    photo = tmp_path / "cat.png"
+    Image.fromarray(chelsea()).save(photo)  # 451 x 300: a center crop would cut a third of it away
+
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+    transform = create_transform(**resolve_data_config({}, model=theirs))
+    pixels = transform(Image.open(photo).convert("RGB")).unsqueeze(0)
+    expected = to_input(read_image(photo), (32, 32))
+    assert pixels.shape == expected.shape and (pixels - expected).abs().max() < 1 / 127.5
+    with torch.no_grad():
+        timm_probs = theirs(pixels).softmax(-1)[0]
+    timm_scores = {name: float(p) for name, p in zip(model.class_names, timm_probs)}
+    hf_scores = {r["label"]: r["score"] for r in pipeline("image-classification", model=str(tmp_path / "hf"))(
+        str(photo), top_k=5)}  # fmt: skip
+    ours = dict(vitkit.predict(model, [photo], k=5)[0])
+    assert max(ours.values()) - min(ours.values()) > 0.05  # the classes are told apart, so the check means something
+    top = max(ours, key=ours.get)
+    assert max(timm_scores, key=timm_scores.get) == max(hf_scores, key=hf_scores.get) == top
+    for name in model.class_names:
+        assert timm_scores[name] == pytest.approx(ours[name], abs=1e-2), name
+        assert hf_scores[name] == pytest.approx(ours[name], abs=1e-2), name

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from ..errors import running_command
 from . import dinov2, hf, npz, onnx, timm, vitkit
 
 # In the order `detect_format` asks them: vitkit before timm, since both are safetensors files.
@@ -40,7 +41,14 @@ def detect_format(path: str | os.PathLike) -> str:
     for name, module in FORMATS.items():
         if module.detect(path):
             return name
+    known = ", ".join(FORMATS)
+    command = running_command()
+    if command is None:
+        fix = f"pass format= one of {known}"
+    elif command == "convert":
+        fix = f"pass --format, one of {known}"
+    else:  # only `vitkit convert` takes --format
+        fix = f"convert it first with `vitkit convert {path} OUT.safetensors --format FORMAT --to vitkit` ({known})"
     raise ValueError(
-        f"{path}: cannot tell its checkpoint format from its kind and name ({path.suffix or 'no suffix'!r}); "
-        f"pass format= one of {', '.join(FORMATS)}."
+        f"{path}: cannot tell its checkpoint format from its kind and name ({path.suffix or 'no suffix'!r}); {fix}."
     )

@@ -161,7 +161,8 @@ def model_args(config: ViTConfig) -> dict:
 
 def hub_config(model: VisionTransformer) -> dict:
     """timm's hub `config.json`: an `architecture` it knows, `model_args` that reshape it into this model, and
-    the `pretrained_cfg` of vitkit's evaluation preprocessing (bilinear resize of the whole image to [-1, 1])."""
+    the `pretrained_cfg` of vitkit's evaluation preprocessing (bilinear resize of the whole image to [-1, 1]), from
+    which `timm.data.create_transform(**resolve_data_config({}, model=m))` builds the same transform."""
     c = model.config
     size = {192: "tiny", 384: "small", 768: "base", 1024: "large", 1280: "huge"}.get(c.hidden_size, "base")
     pretrained_cfg = {
@@ -169,7 +170,7 @@ def hub_config(model: VisionTransformer) -> dict:
         "fixed_input_size": True,
         "interpolation": "bilinear",
         "crop_pct": 1.0,
-        "crop_mode": "center",
+        "crop_mode": "squash",  # the whole image, resized to input_size (aspect ratio not kept), as vitkit does
         "mean": [0.5] * c.in_chans,
         "std": [0.5] * c.in_chans,
         "num_classes": c.num_classes,
