@@ -414,20 +414,23 @@ def _add_reading_options(p: argparse.ArgumentParser, images: bool = True) -> Non
         p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: skip it)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
-    parser.add_argument("--version", action="version", version=f"vitkit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_models_command(sub) -> None:
+    """`vitkit models`."""
     p = sub.add_parser("models", help="table of the model variants (paper Table 1) with params and GFLOPs")
     p.add_argument("--image-size", type=int, default=224, help="resolution for the GFLOPs column (default 224)")
     p.add_argument("--num-classes", type=int, default=1000, help="size of the head (default 1000)")
     p.set_defaults(func=cmd_models)
 
+
+def _add_pretrained_command(sub) -> None:
+    """`vitkit pretrained`."""
     p = sub.add_parser("pretrained", help="table of released weights by name (use a name as --checkpoint)")
     p.add_argument("--download", nargs="+", metavar="NAME", help="fetch these names into the cache for offline use")
     p.set_defaults(func=cmd_pretrained)
 
+
+def _add_convert_command(sub) -> None:
+    """`vitkit convert`."""
     p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
     p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
     p.add_argument(
@@ -441,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
 
+
+def _add_inspect_command(sub) -> None:
+    """`vitkit inspect`."""
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     source = p.add_mutually_exclusive_group()
@@ -469,9 +475,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimize_option(p)
     p.set_defaults(func=cmd_inspect)
 
+
+def _add_train_command(sub) -> None:
+    """`vitkit train`."""
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
     _add_train_options(p, {})
     p.set_defaults(func=cmd_train)
+
+
+def _add_finetune_command(sub) -> None:
+    """`vitkit finetune`."""
     p = sub.add_parser(
         "finetune",
         help="fine-tune --checkpoint with the official recipe (SGD, new head)",
@@ -482,6 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_options(p, FINETUNE_DEFAULTS)
     p.set_defaults(func=cmd_train)
 
+
+def _add_eval_command(sub) -> None:
+    """`vitkit eval`."""
+    datasets = _choices("data") or ()
     p = sub.add_parser("eval", help="top-1/top-5 and per-class accuracy of a checkpoint on a dataset")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     p.add_argument(
@@ -509,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimize_option(p)
     p.set_defaults(func=cmd_eval)
 
+
+def _add_experiment_command(sub) -> None:
+    """`vitkit experiment`."""
     from .experiments import EXPERIMENTS, PRESETS, PRETRAINED
 
     p = sub.add_parser("experiment", help="re-run one of the paper's findings (docs/EXPERIMENTS.md)")
@@ -523,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite_option(p, "the experiment's results of another --preset, --seeds or --checkpoint")
     p.set_defaults(func=cmd_experiment)
 
+
+def _add_data_command(sub) -> None:
+    """`vitkit data`."""
     p = sub.add_parser("data", help="prepare datasets: `vitkit data pack ROOT OUT` writes Parquet shards")
     data = p.add_subparsers(dest="data_command", required=True)
     p = data.add_parser("pack", help="write an image folder's train and test splits as Parquet shards")
@@ -536,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite_option(p, "the files in OUT")
     p.set_defaults(func=cmd_data_pack)
 
+
+def _add_predict_command(sub) -> None:
+    """`vitkit predict`."""
     p = sub.add_parser("predict", help="top-k classes of image files")
     p.add_argument(
         "--checkpoint", required=True, help="model file with class names (as `vitkit train` saves), or pretrained name"
@@ -547,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimize_option(p)
     p.set_defaults(func=cmd_predict)
 
+
+def _add_bench_command(sub) -> None:
+    """`vitkit bench`."""
     p = sub.add_parser("bench", help="images/s, FLOP/s against the machine's matmul rate, memory (paper Fig. 12)")
     p.add_argument("--model", default="ViT-B/16", help="variant name (default ViT-B/16)")
     p.add_argument("--model-args", type=_mapping, default={}, metavar="JSON|K=V,...", help="ViTConfig overrides")
@@ -575,6 +604,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
     _add_overwrite_option(p, "--out and its plot")
     p.set_defaults(func=cmd_bench)
+
+
+# The commands in the order `vitkit --help` lists them.
+COMMANDS = (
+    _add_models_command,
+    _add_pretrained_command,
+    _add_convert_command,
+    _add_inspect_command,
+    _add_train_command,
+    _add_finetune_command,
+    _add_eval_command,
+    _add_experiment_command,
+    _add_data_command,
+    _add_predict_command,
+    _add_bench_command,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="vitkit", description="Vision Transformer (Dosovitskiy et al., 2021).")
+    parser.add_argument("--version", action="version", version=f"vitkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(sub)
     return parser
 
 

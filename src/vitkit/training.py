@@ -230,6 +230,18 @@ def _train_session(
     """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
+    state, train_set, test_set = set_up(config, world, run_path, saved)
+    state.session_start = started
+    final, interrupted = run_steps(state, train_set, test_set, stop, stop_after)
+    stop.notice = "finishing: the model and the plots are being written"
+    if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
+        final = run_evaluation(state, test_set)
+    return finish(state, final, interrupted, started, (train_set, test_set))
+
+
+def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None):
+    """The data, the model (new, fitted to the data, or restored), its optimiser and the run directory, as one
+    `TrainState`; a new run's `config.json` records what was chosen."""
     config = config.replace(precision=resolve_precision(config.precision, world.device))  # "auto" -> fp32 or bf16
     if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
         check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
@@ -254,7 +266,6 @@ def _train_session(
     config = config.replace(compile=should_compile(config, world, plan.total))  # what config.json records
     run = RunDir(run_path, enabled=world.is_main)
     state = TrainState(config, world, plan, augment_config(config, train_set), model, net, optimizer, run)
-    state.session_start = started
     if saved is not None:
         restore(state, saved)  # the same weights on every process (DDP broadcast rank 0's when wrapping)
     else:
@@ -262,12 +273,18 @@ def _train_session(
     if config.compile:
         compile_quietly_on(world.device)
         state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
+    return state, train_set, test_set
 
+
+def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_after: int | None):
+    """`train_step` until the plan's end or a stop, logging, evaluating and saving at their intervals; returns
+    the last evaluation (or None) and whether the run was interrupted (then a checkpoint is saved)."""
+    config, plan, world = state.config, state.plan, state.world
     final: EvalResult | None = None
     bar = tqdm(
         total=plan.total, initial=state.step, disable=None if world.is_main else True, unit="step", dynamic_ncols=True
     )
-    model.train()
+    state.model.train()
     stop.stepping = True
     if config.compile:
         stop.notice = f"stopping after step {state.step + 1}, once the model has compiled (a while), with a checkpoint"
@@ -281,7 +298,7 @@ def _train_session(
             bar.update(1)
             if state.step % config.log_every == 0 or state.step == plan.total:
                 record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, config.batch_size)
-                run.log(record)
+                state.run.log(record)
                 bar.set_postfix(
                     loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}", img_s=f"{record['images_per_s']:.0f}"
                 )
@@ -300,10 +317,7 @@ def _train_session(
             save_checkpoint(state)
     finally:
         bar.close()
-    stop.notice = "finishing: the model and the plots are being written"
-    if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
-        final = run_evaluation(state, test_set)
-    return finish(state, final, interrupted, started, (train_set, test_set))
+    return final, interrupted
 
 
 @dataclass(frozen=True)
