@@ -160,7 +160,7 @@ def test_predict_into_a_closed_pipe_ends_quietly(tmp_path, checkpoint):
     import numpy as np
     from PIL import Image
 
-    from conftest import subprocess_env
+    from helpers import subprocess_env
 
     for i in range(3):
         Image.fromarray(np.full((16, 16, 3), 60 * i, np.uint8)).save(tmp_path / f"{i}.png")

@@ -423,7 +423,7 @@ def signalled_train(tmp_path, phase: str, signals: list, compile=False, steps=20
     import sys
     import time
 
-    from conftest import subprocess_env
+    from helpers import subprocess_env
 
     argv = [sys.executable, "-c", SIGNALLED_TRAIN, *train_args(tmp_path, compile, steps), "--workers", str(workers)]
     err_path = tmp_path / f"stderr-{phase.replace(' ', '')}-{len(signals)}.txt"
@@ -514,7 +514,7 @@ def test_ctrl_c_during_the_steps_stops_after_the_step_with_a_checkpoint_and_twic
 def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_stops_it_leaving_a_reusable_folder(tmp_path):
     import signal
 
-    from vitkit.inference import compiler_present
+    from vitkit.machine import compiler_present
 
     if not compiler_present(torch.device("cpu")):
         pytest.skip("torch.compile on a CPU needs a C++ compiler and Python's C headers (python3-dev)")
@@ -540,7 +540,7 @@ def test_ctrl_c_while_the_command_loads_its_modules_is_one_line_without_a_traceb
     import sys
     import time
 
-    from conftest import subprocess_env
+    from helpers import subprocess_env
 
     argv = [sys.executable, "-m", "vitkit", "models"]
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
