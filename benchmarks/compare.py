@@ -1,4 +1,4 @@
-"""vitkit against timm and Hugging Face on the same ViT, measured side by side, written into docs/PERFORMANCE.md.
+"""vitkit against timm, Hugging Face, ONNX Runtime and OpenVINO on the same ViT, measured side by side.
 
 For each model, batch size, precision and kind (inference, or a training step: forward, backward, AdamW), every
 contender runs in interleaved rounds in this one process (each round led by another one) and the median is kept,
@@ -9,7 +9,10 @@ Contenders:
 - vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (bf16: weights cast once);
 - timm: eager (bf16: autocast), and its best CPU option, `torch.utils.mkldnn.to_mkldnn` or `torch.compile`
   (both measured, the faster one kept per cell);
-- Hugging Face `ViTForImageClassification` (SDPA attention; bf16: autocast).
+- Hugging Face `ViTForImageClassification` (SDPA attention; bf16: autocast);
+- ONNX Runtime and OpenVINO on the graph `vitkit.export` writes of the same weights (fp32; bf16: OpenVINO's default
+  precision hint where the CPU has AVX-512 BF16 or AMX; ONNX Runtime has no bf16 path on CPUs),
+  `vitkit.benchmark.runtime_runners`.
 
 Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same AdamW.
 
@@ -19,20 +22,25 @@ command does), which speeds every contender alike.
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
 and bf16, inference and training; long on a small CPU) or a part of it, e.g.
 `python benchmarks/compare.py --models ViT-S/16 --batches 1 8 --precisions fp32 --no-compile`.
-`--write docs/PERFORMANCE.md` replaces the generated block of that file with the new table (`--block NAME`: the
-block of that name, so that a part measured again can sit beside the whole table). On a machine whose speed
-changes from second to second, `--min-seconds 0 --rounds 30` times one call per contender and round: paired
-single calls, the order rotated each round.
+Every run writes its record (machine, CPU flags, versions, date, commit, command and every round's images/s) as
+JSON under benchmarks/results/ (`--json PATH`: elsewhere); `--write docs/PERFORMANCE.md` also replaces the
+generated block of that file with the new table (`--block NAME`: the block of that name, so that a part measured
+again can sit beside the whole table). `--rounds-large N`: fewer rounds at batch 64 and above, whose calls are
+long. On a machine whose speed changes from second to second, `--min-seconds 0 --rounds 30` times one call per
+contender and round: paired single calls, the order rotated each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -42,8 +50,12 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 import vitkit
-from vitkit.benchmark import machine
+from vitkit.benchmark import interleaved, machine, ratios_to_fastest, runtime_runners, runtime_versions
+from vitkit.files import atomic_write
 from vitkit.inference import bf16_is_native
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNTIMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}  # the runtimes' names in the table
 
 
 def markers(block: str | None) -> tuple[str, str]:
@@ -101,8 +113,19 @@ def train_runner(model: torch.nn.Module, x: torch.Tensor, bf16: bool):
     return run
 
 
-def contenders(name: str, batch: int, precision: str, kind: str, compile: bool) -> dict:
-    """name -> a callable doing one batch; options that do not run here are left out with a note."""
+def exported(name: str, directory: Path) -> Path:
+    """The ONNX graph of a randomly initialised `name` (one per model, written once into `directory`)."""
+    path = directory / (re.sub(r"\W", "_", name) + ".onnx")
+    if not path.exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            vitkit.export(vitkit.create_model(name), path)
+    return path
+
+
+def contenders(name: str, batch: int, precision: str, kind: str, compile: bool, graphs: Path | None) -> dict:
+    """name -> a callable doing one batch; options that do not run here are left out with a note. `graphs`: the
+    directory of the exported ONNX graphs (None: no runtimes)."""
     config = vitkit.decode_variant(name)
     x = torch.randn(batch, 3, *config.image_size)
     bf16 = precision == "bf16"
@@ -131,55 +154,86 @@ def contenders(name: str, batch: int, precision: str, kind: str, compile: bool) 
     if compile:
         compiled = torch.compile(build_timm(config).eval())
         runs["timm compile"] = inference_runner(compiled, x, bf16)
+    if graphs is not None:
+        runners, notes = runtime_runners(exported(name, graphs), precision, torch.get_num_threads())
+        array = x.numpy()
+        runs |= {RUNTIMES[n]: (lambda run=run: run(array)) for n, run in runners.items()}
+        for note in notes:
+            print(f"  {note}", file=sys.stderr)
     return runs
 
 
-def seconds_per_call(run, min_seconds: float) -> float:
-    calls, start = 0, time.perf_counter()
-    while True:
-        run()
-        calls += 1
-        spent = time.perf_counter() - start
-        if spent >= min_seconds:
-            return spent / calls
-
-
 def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str, list[float]]:
-    """images/s per contender in each of the interleaved rounds, after one warm-up call each."""
-    for run in runs.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for i in range(rounds):  # each round starts with another contender, so none always runs first
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            times[name].append(seconds_per_call(runs[name], min_seconds))
-    return {name: [batch / t for t in ts] for name, ts in times.items()}
+    """images/s per contender in each of the interleaved rounds (`vitkit.benchmark.interleaved`)."""
+    seconds = interleaved(runs, rounds, min_seconds)
+    return {name: [batch / t for t in ts] for name, ts in seconds.items()}
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: median images/s of each contender, and vitkit's best over the best peer (the peer of the highest
-    median): the median of the two's ratios round by round, so that the machine's drift between rounds cancels."""
-    head = ("| model | batch | precision | kind | vitkit | vitkit optimized | timm | timm best CPU option | HF "
-            "| vitkit / best peer |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+    """Markdown: median images/s of each contender with its ratio to the fastest one of the row, and vitkit's best
+    over the best peer (the peer of the highest median). Ratios are the median of the two's ratios round by round,
+    so that the machine's drift between rounds cancels."""
+    columns = ["vitkit", "vitkit optimized", "timm", "timm best CPU option", "HF", *RUNTIMES.values()]
+    lines = ["| model | batch | precision | kind | " + " | ".join(columns) + " | vitkit / best peer |",
+             "|" + "---|" * (len(columns) + 5)]  # fmt: skip
     for r in rows:
         rates = {k: statistics.median(v) for k, v in r["rates"].items()}
-        timm_best = max((k for k in rates if k.startswith("timm ")), key=rates.get, default=None)
+        to_fastest = ratios_to_fastest(r["rates"])
+        timm_best = max((k for k in rates if k.startswith("timm ")), key=rates.__getitem__, default=None)
         peers = {k: v for k, v in rates.items() if not k.startswith("vitkit")}
         ours = "vitkit optimized" if "vitkit optimized" in rates else "vitkit"  # inference: the optimized copy
-        best_peer = max(peers, key=peers.get)
+        best_peer = max(peers, key=peers.__getitem__)
         ratio = statistics.median(a / b for a, b in zip(r["rates"][ours], r["rates"][best_peer], strict=True))
 
-        def cell(key, rates=rates):
-            return f"{rates[key]:.2f}" if key in rates else "-"
+        def cell(key, rates=rates, to_fastest=to_fastest):
+            return f"{rates[key]:.2f} ({to_fastest[key]:.2f}x)" if key in rates else "-"
 
-        best = f"{cell(timm_best)} ({timm_best.split(' ', 1)[1]})" if timm_best else "-"
-        lines.append(
-            f"| {r['model']} | {r['batch']} | {r['precision']} | {r['kind']} | {cell('vitkit')} | "
-            f"{cell('vitkit optimized')} | {cell('timm')} | {best} | {cell('HF')} | "
-            f"**{ratio:.2f}x** ({best_peer}) |"
-        )
+        best = f"{cell(timm_best)} {timm_best.split(' ', 1)[1]}" if timm_best else "-"
+        cells = [cell(c) if c != "timm best CPU option" else best for c in columns]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['precision']} | {r['kind']} | " + " | ".join(cells)
+                     + f" | **{ratio:.2f}x** ({best_peer}) |")  # fmt: skip
     return "\n".join(lines)
+
+
+def commit() -> str | None:
+    """The checked-out commit of this repository (with "-dirty" if files differ from it), or None."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def record(args: argparse.Namespace, command: str, rows: list[dict]) -> dict:
+    """The JSON record of a run: where, with what, how, and every round's images/s."""
+    import timm
+    import transformers
+
+    return {
+        "benchmark": "compare.py",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": commit(),
+        "command": command,
+        "machine": {**machine(), "machine": platform.machine(), "bf16_native_cpu": bf16_is_native()},
+        "versions": {**runtime_versions(), "timm": timm.__version__, "transformers": transformers.__version__},
+        "settings": {
+            "rounds": args.rounds,
+            "rounds_large": args.rounds_large,
+            "min_seconds": args.min_seconds,
+            "freed_memory_retained": args.retained,
+        },  # fmt: skip
+        "rows": [
+            {
+                **r,
+                "images_per_s": {k: statistics.median(v) for k, v in r["rates"].items()},
+                "ratio_to_fastest": ratios_to_fastest(r["rates"]),
+            }
+            for r in rows
+        ],  # fmt: skip
+    }
 
 
 def header(args: argparse.Namespace, command: str) -> str:
@@ -223,6 +277,11 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.5, help="shortest timing per contender and round")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave out timm + torch.compile")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--rounds-large", type=int, help="rounds at batch 64 and above (default: --rounds)")
+    parser.add_argument("--skip", nargs="+", default=[], help="contenders to leave out, e.g. 'timm to_mkldnn'")
+    parser.add_argument("--no-runtimes", dest="runtimes", action="store_false", help="leave out ONNX Runtime and "
+                        "OpenVINO (which need the exporter's onnx and onnxscript)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="the JSON record (default: benchmarks/results/compare-CPU-DATE.json)")
     parser.add_argument("--write", type=Path, help="markdown file whose generated block gets the table")
     parser.add_argument("--block", help="name of the generated block to replace (default: the main table's)")
     args = parser.parse_args()
@@ -231,18 +290,31 @@ def main() -> None:
     args.retained = vitkit.kernels.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
     command = "python benchmarks/compare.py " + shlex.join(sys.argv[1:])
     print(header(args, command), flush=True)
+    args.rounds_large = args.rounds_large or args.rounds
+    cpu = re.sub(r"[^a-z0-9]+", "-", machine()["cpu"].lower()).strip("-")
+    out = args.json or RESULTS / f"compare-{cpu}-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.json"
     rows = []
-    for name in args.models:
-        for kind in args.kinds:
-            for precision in args.precisions:
-                for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
-                    runs = contenders(name, batch, precision, kind, args.compile and kind == "inference")
-                    rates = measure(runs, args.rounds, args.min_seconds, batch)
-                    rows.append({"model": name, "batch": batch, "precision": precision, "kind": kind, "rates": rates})
-                    print(table(rows[-1:]).splitlines()[-1], flush=True)
-                    if args.write:  # after every cell, so a run cut short still leaves what it measured
-                        write_block(args.write, header(args, command) + "\n\n" + table(rows), args.block)
+    with tempfile.TemporaryDirectory() as graphs:
+        for name in args.models:
+            for kind in args.kinds:
+                for precision in args.precisions:
+                    for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
+                        inference = kind == "inference"
+                        runs = contenders(name, batch, precision, kind, args.compile and inference,
+                                          Path(graphs) if args.runtimes and inference else None)  # fmt: skip
+                        runs = {k: v for k, v in runs.items() if k not in args.skip}
+                        rounds = args.rounds_large if batch >= 64 else args.rounds
+                        rates = measure(runs, rounds, args.min_seconds, batch)
+                        rows.append({"model": name, "batch": batch, "precision": precision, "kind": kind,
+                                     "rounds": rounds, "rates": rates})  # fmt: skip
+                        print(table(rows[-1:]).splitlines()[-1], flush=True)
+                        # after every cell, so a run cut short still leaves what it measured
+                        text = json.dumps(record(args, command, rows), indent=1) + "\n"
+                        atomic_write(out, lambda tmp, text=text: Path(tmp).write_text(text))
+                        if args.write:
+                            write_block(args.write, header(args, command) + "\n\n" + table(rows), args.block)
     print(table(rows))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
