@@ -113,20 +113,21 @@ def train_runner(model: torch.nn.Module, x: torch.Tensor, bf16: bool):
     return run
 
 
-def exported(name: str, directory: Path) -> Path:
-    """The ONNX graph of a randomly initialised `name` (one per model, written once into `directory`)."""
+def exported(config: vitkit.ViTConfig, name: str, directory: Path) -> Path:
+    """The ONNX graph of a randomly initialised model `name` of `config` (written once into `directory`)."""
     path = directory / (re.sub(r"\W", "_", name) + ".onnx")
     if not path.exists():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            vitkit.export(vitkit.create_model(name), path)
+            vitkit.export(vitkit.VisionTransformer(config), path)
     return path
 
 
-def contenders(name: str, batch: int, precision: str, kind: str, compile: bool, graphs: Path | None) -> dict:
-    """name -> a callable doing one batch; options that do not run here are left out with a note. `graphs`: the
-    directory of the exported ONNX graphs (None: no runtimes)."""
-    config = vitkit.decode_variant(name)
+def contenders(
+    config: vitkit.ViTConfig, name: str, batch: int, precision: str, kind: str, compile: bool, graphs: Path | None
+) -> dict:
+    """name -> a callable doing one batch of model `name` (of `config`); options that do not run here are left out
+    with a note. `graphs`: the directory of the exported ONNX graphs (None: no runtimes)."""
     x = torch.randn(batch, 3, *config.image_size)
     bf16 = precision == "bf16"
     vit, timm, hf = vitkit.VisionTransformer(config), build_timm(config), build_hf(config)
@@ -155,7 +156,7 @@ def contenders(name: str, batch: int, precision: str, kind: str, compile: bool, 
         compiled = torch.compile(build_timm(config).eval())
         runs["timm compile"] = inference_runner(compiled, x, bf16)
     if graphs is not None:
-        runners, notes = runtime_runners(exported(name, graphs), precision, torch.get_num_threads())
+        runners, notes = runtime_runners(exported(config, name, graphs), precision, torch.get_num_threads())
         array = x.numpy()
         runs |= {RUNTIMES[n]: (lambda run=run: run(array)) for n, run in runners.items()}
         for note in notes:
@@ -223,8 +224,9 @@ def record(args: argparse.Namespace, command: str, rows: list[dict]) -> dict:
             "rounds": args.rounds,
             "rounds_large": args.rounds_large,
             "min_seconds": args.min_seconds,
+            "model_args": json.loads(args.model_args),
             "freed_memory_retained": args.retained,
-        },  # fmt: skip
+        },
         "rows": [
             {
                 **r,
@@ -232,7 +234,7 @@ def record(args: argparse.Namespace, command: str, rows: list[dict]) -> dict:
                 "ratio_to_fastest": ratios_to_fastest(r["rates"]),
             }
             for r in rows
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -267,6 +269,7 @@ def write_block(path: Path, text: str, name: str | None = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["ViT-S/16", "ViT-B/16"])
+    parser.add_argument("--model-args", default="{}", help="ViTConfig overrides as JSON, e.g. '{\"num_layers\": 2}'")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"))
     parser.add_argument("--kinds", nargs="+", default=["inference", "train"], choices=("inference", "train"))
@@ -300,7 +303,8 @@ def main() -> None:
                 for precision in args.precisions:
                     for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
                         inference = kind == "inference"
-                        runs = contenders(name, batch, precision, kind, args.compile and inference,
+                        config = vitkit.decode_variant(name, **json.loads(args.model_args))
+                        runs = contenders(config, name, batch, precision, kind, args.compile and inference,
                                           Path(graphs) if args.runtimes and inference else None)  # fmt: skip
                         runs = {k: v for k, v in runs.items() if k not in args.skip}
                         rounds = args.rounds_large if batch >= 64 else args.rounds

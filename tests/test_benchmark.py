@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import vitkit
-from conftest import SRC, subprocess_env
+from conftest import SRC, perturbed, subprocess_env, tiny
 from vitkit import inference as opt
-from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine
+from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, machine, ratios_to_fastest
 from vitkit.cli import main
 
 BENCHMARKS = SRC.parent / "benchmarks"
@@ -128,12 +128,19 @@ def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_f
     assert vitkit_rate == 1.0 and timm_rate > 0
 
 
+def runtimes_installed() -> None:
+    for name in ("onnx", "onnxscript", "onnxruntime", "openvino"):
+        pytest.importorskip(name, reason=f"the runtimes' comparison needs the optional {name} (dev extra)")
+
+
 @pytest.mark.slow
-def test_the_comparison_script_writes_its_table_into_the_named_block_and_a_second_run_replaces_it(tmp_path):
-    doc = tmp_path / "PERFORMANCE.md"
+def test_the_comparison_script_writes_its_table_into_the_named_block_and_its_json_record(tmp_path):
+    runtimes_installed()
+    doc, record = tmp_path / "PERFORMANCE.md", tmp_path / "record.json"
     doc.write_text("# Performance\n\nwritten by hand\n")
-    args = ("--models", "ViT-Ti/16", "--batches", "1", "--precisions", "fp32", "--rounds", "1", "--min-seconds",
-            "0", "--no-compile", "--write", str(doc), "--block", "smoke")  # fmt: skip
+    args = ("--models", "ViT-Ti/16", "--model-args", '{"num_layers": 2, "image_size": 32}', "--batches", "1",
+            "--precisions", "fp32", "--rounds", "1", "--min-seconds", "0", "--no-compile", "--write", str(doc),
+            "--block", "smoke", "--json", str(record))  # fmt: skip
     for _ in range(2):
         run_script("compare.py", *args)
     text = doc.read_text()
@@ -143,15 +150,64 @@ def test_the_comparison_script_writes_its_table_into_the_named_block_and_a_secon
     assert "Command: `python benchmarks/compare.py --models ViT-Ti/16" in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ViT-Ti/16 |")]
     assert [row[3] for row in rows] == ["inference", "train"]
+    names = ["vitkit", "vitkit optimized", "timm", "timm best", "HF", "ONNX Runtime", "OpenVINO"]
     for row in rows:
-        cells = {"vitkit": row[4], "vitkit optimized": row[5], "timm": row[6], "HF": row[8]}
-        rates = {k: float(v) for k, v in cells.items() if v != "-"}
-        if row[7] != "-":  # timm's best CPU option: "12.34 (to_mkldnn)"
-            rate, option = re.fullmatch(r"([\d.]+) \((.+)\)", row[7]).groups()
-            rates[f"timm {option}"] = float(rate)
-        ratio, best_peer = re.fullmatch(r"\*\*([\d.]+)x\*\* \((.+)\) \|", row[9]).groups()
-        peers = {k: v for k, v in rates.items() if not k.startswith("vitkit")}
+        cells = {name: re.match(r"([\d.]+) \(([\d.]+)x\)", cell) for name, cell in zip(names, row[4:11])}
+        rates = {k: float(m[1]) for k, m in cells.items() if m}
+        to_fastest = {k: float(m[2]) for k, m in cells.items() if m}
+        assert max(to_fastest.values()) == 1.0 and to_fastest[max(rates, key=rates.get)] == 1.0
+        assert ("ONNX Runtime" in rates and "OpenVINO" in rates) == (row[3] == "inference")
+        ratio, best_peer = re.fullmatch(r"\*\*([\d.]+)x\*\* \((.+)\) \|", row[11]).groups()
+        peers = {k: v for k, v in rates.items() if not k.startswith("vitkit") and k != "timm best"}
         assert peers[best_peer] == max(peers.values())  # the peer of the highest median (ties print alike)
         ours = rates["vitkit optimized" if row[3] == "inference" else "vitkit"]
         # one round: the ratio of the round is the ratio of the printed rates (rounded to 2 decimals)
         assert float(ratio) == pytest.approx(ours / peers[best_peer], abs=0.011, rel=0.01)
+    data = json.loads(record.read_text())
+    assert set(data["machine"]["cpu_flags"]) >= {"avx2", "avx512f", "avx512_bf16", "amx_tile"}
+    assert {"torch", "onnxruntime", "openvino", "timm", "transformers"} <= set(data["versions"])
+    assert data["commit"] and data["date"] and data["settings"]["model_args"] == {"num_layers": 2, "image_size": 32}
+    inference = data["rows"][0]
+    assert {"ONNX Runtime", "OpenVINO", "vitkit optimized"} <= set(inference["rates"])
+    assert all(len(rounds) == 1 for rounds in inference["rates"].values())
+    assert max(inference["ratio_to_fastest"].values()) == 1.0
+
+
+def test_ratios_to_the_fastest_are_the_median_of_each_rounds_ratio():
+    rates = {"a": [10.0, 20.0, 30.0], "b": [20.0, 20.0, 20.0]}  # medians 20 and 20: the first of them is fastest
+    assert ratios_to_fastest(rates) == {"a": 1.0, "b": 1.0}
+    rates = {"a": [10.0, 30.0, 40.0], "b": [20.0, 20.0, 20.0]}  # a is fastest; b's round ratios 2, 2/3, 1/2
+    assert ratios_to_fastest(rates) == {"a": 1.0, "b": pytest.approx(2 / 3)}
+
+
+@pytest.mark.slow
+def test_bench_compare_runs_a_checkpoint_in_both_runtimes_beside_optimize(tmp_path, capsys):
+    runtimes_installed()
+    model = perturbed(tiny())
+    vitkit.export(model, tmp_path / "m.safetensors")
+    out = tmp_path / "compare.json"
+    args = ["bench", "--compare", "--model", str(tmp_path / "m.safetensors"), "--image-size", "32", "--batch-size",
+            "1", "3", "--precision", "fp32", "bf16", "--rounds", "2", "--min-seconds", "0",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["model"] == str(tmp_path / "m.safetensors")
+    assert vitkit.ViTConfig.from_dict(data["config"]) == model.config
+    fp32 = [r for r in data["rows"] if r["precision"] == "fp32"]
+    assert [(r["batch"], r["contender"]) for r in fp32] == [
+        (b, c) for b in (1, 3) for c in ("vitkit.optimize", "onnxruntime", "openvino")
+    ]
+    for r in fp32:
+        assert len(r["rounds"]) == 2 and r["max_relative_difference"] <= 1e-4
+        assert f"{r['batch']:>5} fp32 {r['contender']:<17}{r['images_per_s']:>10.2f}" in printed
+    for batch in (1, 3):
+        cell = [r["ratio_to_fastest"] for r in data["rows"] if r["batch"] == batch and r["precision"] == "bf16"]
+        assert cell and max(cell) == 1.0
+    assert not any(r["contender"] == "onnxruntime" for r in data["rows"] if r["precision"] == "bf16")
+    assert any("onnxruntime: no bf16 path" in note for note in data["notes"])
+
+
+def test_bench_compare_takes_one_resolution(capsys):
+    assert main(["bench", "--compare", "--model", "ViT-Ti/16", "--image-size", "32", "64"]) == 2
+    assert "--image-size 32 64 with --compare: give one resolution" in capsys.readouterr().err

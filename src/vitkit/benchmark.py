@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 import warnings
 import weakref
@@ -514,7 +515,7 @@ def ratios_to_fastest(rates: dict[str, list[float]]) -> dict[str, float]:
 
 
 def compare_runtimes(
-    model: str | ViTConfig = "ViT-S/16",
+    model: str | ViTConfig | VisionTransformer = "ViT-S/16",
     *,
     batch_sizes: tuple[int, ...] = (1, 8, 64),
     precisions: tuple[str, ...] = ("fp32", "bf16"),
@@ -524,7 +525,8 @@ def compare_runtimes(
     **model_args: Any,
 ) -> dict[str, Any]:
     """`vitkit.optimize(model, precision)` against ONNX Runtime and OpenVINO on the same weights (exported with
-    `vitkit.export`), with torch's number of threads; returns a JSON-able dict: `machine`, `versions`, `notes` (the
+    `vitkit.export`), with torch's number of threads. `model`: a loaded model, or a variant name or config (random
+    weights); returns a JSON-able dict: `machine`, `versions`, `notes` (the
     runtimes left out, and why) and `rows` (per batch, precision and contender: the images/s of every round, their
     median, the ratio to the fastest contender, and the largest difference of its logits from vitkit's plain
     model, relative to their largest magnitude)."""
@@ -539,10 +541,13 @@ def compare_runtimes(
             raise ValueError(f"precisions={precisions!r}: choose from {', '.join(BENCH_PRECISIONS)}.")
     if rounds < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"rounds={rounds}, batch_sizes={batch_sizes}: need at least one round and batch.")
-    config = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
-    net = VisionTransformer(config).eval()
-    if isinstance(net.head, nn.Linear):  # the official init zeroes the head: logits of 0 would hide any difference
-        nn.init.trunc_normal_(net.head.weight, std=0.02)
+    if isinstance(model, VisionTransformer):
+        net, config = model.eval(), model.config
+    else:
+        config = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
+        net = VisionTransformer(config).eval()
+        if isinstance(net.head, nn.Linear):  # the official init zeroes the head: logits of 0 would hide differences
+            nn.init.trunc_normal_(net.head.weight, std=0.02)
     threads = torch.get_num_threads()
     result: dict[str, Any] = {
         "model": model if isinstance(model, str) else "custom",
@@ -587,7 +592,8 @@ def compare_runtimes(
                         "max_relative_difference": float(np.abs(outputs[name] - reference).max()) / scale,
                     })  # fmt: skip
                 if progress:
-                    print(format_compare({**result, "rows": result["rows"][-len(rates) :]}, header=False), flush=True)
+                    rows = result["rows"][-len(rates) :]
+                    print(format_compare({**result, "rows": rows}, header=False), file=sys.stderr, flush=True)
     return result
 
 

@@ -139,6 +139,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compare:
+        return _bench_compare(args)
     result = bench(
         args.model, image_sizes=tuple(args.image_size), batch_sizes=tuple(args.batch_size),
         precisions=tuple(args.precision), modes=tuple(args.mode), train=args.train, compile=args.compile,
@@ -149,6 +151,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         json_path, png_path = write_bench(result, args.out)
         print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    """`vitkit bench --compare`: vitkit.optimize against ONNX Runtime and OpenVINO, side by side."""
+    import os
+    from pathlib import Path
+
+    from .benchmark import compare_runtimes, format_compare
+    from .files import atomic_write
+
+    if len(args.image_size) > 1:
+        raise ValueError(f"--image-size {' '.join(map(str, args.image_size))} with --compare: give one resolution.")
+    if os.path.exists(args.model):
+        model: Any = load_checkpoint(args.model, image_size=args.image_size[0], **args.model_args)
+        if not isinstance(model, VisionTransformer):
+            raise ValueError(f"{args.model} holds a {type(model).__name__}: --compare runs Vision Transformers.")
+        args.model_args = {}
+    else:
+        model, args.model_args = args.model, {"image_size": args.image_size[0], **args.model_args}
+    result = compare_runtimes(
+        model, batch_sizes=tuple(args.batch_size), precisions=tuple(args.precision), rounds=args.rounds,
+        min_seconds=args.min_seconds, **args.model_args,
+    )  # fmt: skip
+    if isinstance(model, VisionTransformer):
+        result["model"] = str(args.model)
+    print(format_compare(result))
+    if args.out:
+        text = json.dumps(result, indent=1) + "\n"
+        atomic_write(args.out, lambda tmp: Path(tmp).write_text(text))
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -495,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, the median kept (default 3)")
     p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timing per cell and round (default 0.2)")
     p.add_argument("--memory-budget-gb", type=float, help="report the largest batch that fits this memory")
+    p.add_argument("--compare", action="store_true", help="instead: vitkit.optimize against ONNX Runtime and "
+                   "OpenVINO on the same weights, side by side (--model may then be a checkpoint)")  # fmt: skip
     _add_execution_options(p)
     p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
     p.set_defaults(func=cmd_bench)
