@@ -216,7 +216,7 @@ def record(args: argparse.Namespace, command: str, rows: list[dict]) -> dict:
     return {
         "benchmark": "compare.py",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": commit(),
+        "commit": args.commit,
         "command": command,
         "machine": {**machine(), "machine": platform.machine(), "bf16_native_cpu": bf16_is_native()},
         "versions": {**runtime_versions(), "timm": timm.__version__, "transformers": transformers.__version__},
@@ -294,6 +294,7 @@ def main() -> None:
     command = "python benchmarks/compare.py " + shlex.join(sys.argv[1:])
     print(header(args, command), flush=True)
     args.rounds_large = args.rounds_large or args.rounds
+    args.commit = commit()  # the code that runs: the checkout as it is at the start
     cpu = re.sub(r"[^a-z0-9]+", "-", machine()["cpu"].lower()).strip("-")
     out = args.json or RESULTS / f"compare-{cpu}-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.json"
     rows = []
