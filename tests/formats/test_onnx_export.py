@@ -172,3 +172,18 @@ def test_convert_cli_writes_onnx(tmp_path, capsys):
     x = torch.randn(BATCH, 3, 32, 32)
     with torch.no_grad():
         assert relative_error(onnxruntime_logits(tmp_path / "m.onnx", x), model(x).numpy()) <= 1e-5
+
+
+@pytest.mark.slow
+def test_metadata_that_does_not_match_the_graph_is_refused_naming_the_file(exported, tmp_path):
+    _, path = exported
+    for key, value, message in [
+        ("vitkit_config", "{not json", "not valid JSON"),
+        ("vitkit_config", json.dumps({**tiny().config.to_dict(), "mlp_dim": 60}), "blocks.0.mlp.fc1"),
+    ]:
+        graph = onnx.load(str(path))
+        next(p for p in graph.metadata_props if p.key == key).value = value
+        onnx.save(graph, tmp_path / "lying.onnx")
+        with pytest.raises(vitkit.CheckpointError, match=message) as error:
+            vitkit.load_checkpoint(tmp_path / "lying.onnx")
+        assert "lying.onnx" in str(error.value)
