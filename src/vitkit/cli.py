@@ -425,11 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download", nargs="+", metavar="NAME", help="fetch these names into the cache for offline use")
     p.set_defaults(func=cmd_pretrained)
 
-    p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
+    p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face, "
+                       "or export it to ONNX")  # fmt: skip
     p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
     p.add_argument("dst", help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
                    "(timm's hub layout: model.safetensors + config.json)")  # fmt: skip
-    p.add_argument("--to", required=True, choices=formats.WRITABLE, help="output format")
+    p.add_argument("--to", required=True, choices=formats.WRITABLE,
+                   help="output format (onnx: a graph for ONNX Runtime, OpenVINO, ...; needs onnxscript)")  # fmt: skip
     p.add_argument("--format", default="auto", choices=("auto", *formats.FORMATS), help="input format")
     _add_reading_options(p, images=False)
     p.set_defaults(func=cmd_convert)
