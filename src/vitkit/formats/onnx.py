@@ -573,8 +573,8 @@ def _load_export(model, metadata: dict[str, str], path, overrides: dict) -> Visi
 # Writing.
 # ----------------------------------------------------------------------------------------------------------
 
-# The exporter's opset: Gelu and LayerNormalization as single operators; ONNX Runtime >= 1.16 and OpenVINO >=
-# 2024.0 run it.
+# The opset the dynamo exporter writes natively (no version conversion): Gelu and LayerNormalization stay single
+# operators, which the runtimes map to their fused kernels.
 OPSET = 20
 # A protobuf message holds at most 2 GiB, and the weights are kept inside the file (one file, written atomically).
 MAX_BYTES = 2**31 - 2**24
@@ -643,9 +643,9 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     was_training = model.training
     model.eval()
     try:
-        # torch.export's graph (the dynamo exporter): the TorchScript exporter is deprecated and traces Python
-        # branches with warnings; the batch axis is a checked symbolic dimension. `optimize=False` keeps each
-        # weight under its own name (folded transposes would rename it); the runtimes fold them at load.
+        # The dynamo exporter: the TorchScript one is deprecated and bakes traced Python branches in with warnings.
+        # optimize=False keeps each weight under its state-dict name (folding a transpose renames it; runtimes fold
+        # at load, and ran the graph as fast either way).
         program = torch.onnx.export(
             model, (x,), None, dynamo=True, optimize=False, opset_version=OPSET, verbose=False,
             input_names=["images"], output_names=["logits" if config.num_classes else "features"],
