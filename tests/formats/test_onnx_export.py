@@ -151,6 +151,8 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_written(tmp_path):
     changed.head = Doubled(changed.head)
     with pytest.raises(ValueError, match="Doubled modules.*vitkit.optimize copy"):
         vitkit.export(changed, tmp_path / "m.onnx")
+    with pytest.raises(ValueError, match="m.safetensors: ONNX export writes one .onnx file"):
+        vitkit.export(tiny(), tmp_path / "m.safetensors", format="onnx")
     with pytest.raises(ValueError, match="Vision Transformers only"):
         vitkit.export(vitkit.create_model("BiT-R26", num_classes=10, image_size=32), tmp_path / "m.onnx")
     assert not list(tmp_path.iterdir())

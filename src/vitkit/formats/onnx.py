@@ -637,6 +637,8 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
         import onnxscript  # noqa: F401
     except ImportError as e:
         raise ImportError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") from e
+    if Path(path).suffix.lower() != ".onnx":  # the suffix is how `detect` (and every runtime's user) knows it
+        raise ValueError(f"{path}: ONNX export writes one .onnx file; name it *.onnx.")
     exportable(model)
     config = model.config
     x = torch.zeros(2, config.in_chans, *config.image_size, device=next(model.parameters()).device)
