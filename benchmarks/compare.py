@@ -1,4 +1,4 @@
-"""vitkit against timm and Hugging Face on the same ViT, measured side by side, written as a JSON record.
+"""vitkit against timm, Hugging Face, ONNX Runtime and OpenVINO on the same ViT, measured side by side.
 
 For each model, batch size, precision and kind (inference, or a training step: forward, backward, AdamW), every
 contender runs in interleaved rounds in this one process (each round led by another one) and the median is kept,
@@ -9,7 +9,10 @@ Contenders:
 - vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (bf16: weights cast once);
 - timm: eager (bf16: autocast), and its best CPU option, `torch.utils.mkldnn.to_mkldnn` or `torch.compile`
   (both measured, the faster one kept per cell);
-- Hugging Face `ViTForImageClassification` (SDPA attention; bf16: autocast).
+- Hugging Face `ViTForImageClassification` (SDPA attention; bf16: autocast);
+- ONNX Runtime and OpenVINO on the graph `vitkit.export` writes of the same weights (fp32; bf16: OpenVINO's default
+  precision hint where the CPU has AVX-512 BF16 or AMX; ONNX Runtime has no bf16 path on CPUs),
+  `vitkit.benchmark.runtime_runners`.
 
 Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same AdamW.
 
@@ -19,17 +22,21 @@ command does), which speeds every contender alike.
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
 and bf16, inference and training; long on a small CPU) or a part of it, e.g.
 `python benchmarks/compare.py --models ViT-S/16 --batches 1 8 --precisions fp32 --no-compile`.
-`--out benchmarks/results/compare-MACHINE-PART.json` writes the record (machine, versions, date, commit, command,
-every round), from which `python benchmarks/tables.py` makes the tables of docs/PERFORMANCE.md and the README. On a
-machine whose speed changes from second to second, `--min-seconds 0 --rounds 30` times one call per contender and
-round: paired single calls, the order rotated each round.
+Every run writes its record (machine, CPU flags, versions, date, commit, command and every round's images/s) as
+JSON under benchmarks/results/ (`--out PATH`: elsewhere), from which `python benchmarks/tables.py` makes the tables
+of docs/PERFORMANCE.md and the README. `--rounds-large N`: fewer rounds at batch 64 and above, whose calls are
+long. On a machine whose speed changes from second to second, `--min-seconds 0 --rounds 30` times one call per
+contender and round: paired single calls, the order rotated each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -40,7 +47,17 @@ import torch.utils.mkldnn
 
 import vitkit
 from vitkit import machine
-from vitkit.benchmark import record_header, write_record
+from vitkit.benchmark import (
+    interleaved,
+    ratios_to_fastest,
+    record_header,
+    runtime_runners,
+    runtime_versions,
+    write_record,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNTIMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}  # the runtimes' names in the table
 
 
 def build_timm(config: vitkit.ViTConfig) -> torch.nn.Module:
@@ -92,9 +109,21 @@ def train_runner(model: torch.nn.Module, x: torch.Tensor, bf16: bool):
     return run
 
 
-def contenders(name: str, batch: int, precision: str, kind: str, compile: bool) -> dict:
-    """name -> a callable doing one batch; options that do not run here are left out with a note."""
-    config = vitkit.decode_variant(name)
+def exported(config: vitkit.ViTConfig, name: str, directory: Path) -> Path:
+    """The ONNX graph of a randomly initialised model `name` of `config` (written once into `directory`)."""
+    path = directory / (re.sub(r"\W", "_", name) + ".onnx")
+    if not path.exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            vitkit.export(vitkit.VisionTransformer(config), path)
+    return path
+
+
+def contenders(
+    config: vitkit.ViTConfig, name: str, batch: int, precision: str, kind: str, compile: bool, graphs: Path | None
+) -> dict:
+    """name -> a callable doing one batch of model `name` (of `config`); options that do not run here are left out
+    with a note. `graphs`: the directory of the exported ONNX graphs (None: no runtimes)."""
     x = torch.randn(batch, 3, *config.image_size)
     bf16 = precision == "bf16"
     vit, timm, hf = vitkit.VisionTransformer(config), build_timm(config), build_hf(config)
@@ -122,61 +151,59 @@ def contenders(name: str, batch: int, precision: str, kind: str, compile: bool) 
     if compile:
         compiled = torch.compile(build_timm(config).eval())
         runs["timm compile"] = inference_runner(compiled, x, bf16)
+    if graphs is not None:
+        runners, notes = runtime_runners(exported(config, name, graphs), precision, torch.get_num_threads())
+        array = x.numpy()
+        runs |= {RUNTIMES[n]: (lambda run=run: run(array)) for n, run in runners.items()}
+        for note in notes:
+            print(f"  {note}", file=sys.stderr)
     return runs
 
 
-def seconds_per_call(run, min_seconds: float) -> float:
-    calls, start = 0, time.perf_counter()
-    while True:
-        run()
-        calls += 1
-        spent = time.perf_counter() - start
-        if spent >= min_seconds:
-            return spent / calls
-
-
 def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str, list[float]]:
-    """images/s per contender in each of the interleaved rounds, after one warm-up call each."""
-    for run in runs.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for i in range(rounds):  # each round starts with another contender, so none always runs first
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            times[name].append(seconds_per_call(runs[name], min_seconds))
-    return {name: [batch / t for t in ts] for name, ts in times.items()}
+    """images/s per contender in each of the interleaved rounds (`vitkit.benchmark.interleaved`)."""
+    seconds = interleaved(runs, rounds, min_seconds)
+    return {name: [batch / t for t in ts] for name, ts in seconds.items()}
 
 
 def summarise(cell: dict) -> dict:
-    """A cell's medians and vitkit's ratio over the best peer (the peer of the highest median): the median of the two's
-    ratios round by round, so that the machine's drift between rounds cancels. Inference: the optimized copy."""
+    """A cell's medians, each contender's ratio to the fastest, and vitkit's ratio over the best peer (the peer of
+    the highest median): the median of the two's ratios round by round, so that the machine's drift between rounds
+    cancels. Inference: the optimized copy."""
     rounds = cell["rounds"]
     medians = {k: statistics.median(v) for k, v in rounds.items()}
     peers = {k: v for k, v in medians.items() if not k.startswith("vitkit")}
     ours = "vitkit optimized" if "vitkit optimized" in medians else "vitkit"
-    best_peer = max(peers, key=peers.get)
+    best_peer = max(peers, key=peers.__getitem__)
     ratio = statistics.median(a / b for a, b in zip(rounds[ours], rounds[best_peer], strict=True))
-    return {**cell, "images_per_s": medians, "ratio": ratio, "best_peer": best_peer}
+    return {
+        **cell,
+        "images_per_s": medians,
+        "ratio_to_fastest": ratios_to_fastest(rounds),
+        "ratio": ratio,
+        "best_peer": best_peer,
+    }
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: median images/s of each contender, and vitkit over the best peer."""
-    head = ("| model | batch | precision | kind | vitkit | vitkit optimized | timm | timm best CPU option | HF "
-            "| vitkit / best peer |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+    """Markdown: median images/s of each contender with its ratio to the fastest one of the row, and vitkit's best
+    over the best peer."""
+    columns = ["vitkit", "vitkit optimized", "timm", "timm best CPU option", "HF", *RUNTIMES.values()]
+    lines = [
+        "| model | batch | precision | kind | " + " | ".join(columns) + " | vitkit / best peer |",
+        "|" + "---|" * (len(columns) + 5),
+    ]
     for r in rows:
-        rates = r["images_per_s"]
-        timm_best = max((k for k in rates if k.startswith("timm ")), key=rates.get, default=None)
+        rates, to_fastest = r["images_per_s"], r["ratio_to_fastest"]
+        timm_best = max((k for k in rates if k.startswith("timm ")), key=rates.__getitem__, default=None)
 
-        def cell(key, rates=rates):
-            return f"{rates[key]:.2f}" if key in rates else "-"
+        def cell(key, rates=rates, to_fastest=to_fastest):
+            return f"{rates[key]:.2f} ({to_fastest[key]:.2f}x)" if key in rates else "-"
 
-        best = f"{cell(timm_best)} ({timm_best.split(' ', 1)[1]})" if timm_best else "-"
-        lines.append(
-            f"| {r['model']} | {r['batch']} | {r['precision']} | {r['kind']} | {cell('vitkit')} | "
-            f"{cell('vitkit optimized')} | {cell('timm')} | {best} | {cell('HF')} | "
-            f"**{r['ratio']:.2f}x** ({r['best_peer']}) |"
-        )
+        best = f"{cell(timm_best)} {timm_best.split(' ', 1)[1]}" if timm_best else "-"
+        cells = [cell(c) if c != "timm best CPU option" else best for c in columns]
+        row = f"| {r['model']} | {r['batch']} | {r['precision']} | {r['kind']} | " + " | ".join(cells)
+        lines.append(row + f" | **{r['ratio']:.2f}x** ({r['best_peer']}) |")
     return "\n".join(lines)
 
 
@@ -187,12 +214,15 @@ def record(args: argparse.Namespace) -> dict:
 
     return {
         **record_header("compare"),
-        "versions": {"timm": timm.__version__, "transformers": transformers.__version__},
+        "versions": {**runtime_versions(), "timm": timm.__version__, "transformers": transformers.__version__},
         "settings": {
             "rounds": args.rounds,
+            "rounds_large": args.rounds_large,
             "min_seconds": args.min_seconds,
+            "model_args": json.loads(args.model_args),
             "retain_freed_memory": args.retained,
             "compile": args.compile,
+            "skip": args.skip,
         },
         "source": "run",
         "rows": [],
@@ -202,6 +232,7 @@ def record(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["ViT-S/16", "ViT-B/16"])
+    parser.add_argument("--model-args", default="{}", help="ViTConfig overrides as JSON, e.g. '{\"num_layers\": 2}'")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"))
     parser.add_argument("--kinds", nargs="+", default=["inference", "train"], choices=("inference", "train"))
@@ -212,33 +243,48 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.5, help="shortest timing per contender and round")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave out timm + torch.compile")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--rounds-large", type=int, help="rounds at batch 64 and above (default: --rounds)")
+    parser.add_argument("--skip", nargs="+", default=[], help="contenders to leave out, e.g. 'timm to_mkldnn'")
     parser.add_argument(
-        "--out", type=Path, help="the JSON record to write (benchmarks/results/compare-MACHINE-PART.json)"
+        "--no-runtimes",
+        dest="runtimes",
+        action="store_false",
+        help="leave out ONNX Runtime and OpenVINO (which need the exporter's onnx and onnxscript)",
     )
+    parser.add_argument("--out", type=Path, help="the JSON record (default: benchmarks/results/compare-CPU-DATE.json)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.retained = machine.retain_freed_memory()  # as the `vitkit` command does: for every contender alike
-    result = record(args)
+    args.rounds_large = args.rounds_large or args.rounds
+    result = record(args)  # the machine and the commit as they are at the start
     m = result["machine"]
-    where = f"{m['cpu']}, CPU capability {m['cpu_capability']}, bf16 native: {m['bf16_native_cpu']}"
     print(
-        f"{where}, {m['threads']} threads; images/s, median of {args.rounds} interleaved rounds; the ratio is the "
-        "median of the rounds' ratios",
+        f"{m['cpu']}, CPU capability {m['cpu_capability']}, bf16 native: {m['bf16_native_cpu']}, {m['threads']} "
+        "threads; images/s, median of interleaved rounds; the ratio is the median of the rounds' ratios",
         flush=True,
     )
-    for name in args.models:
-        for kind in args.kinds:
-            for precision in args.precisions:
-                for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
-                    runs = contenders(name, batch, precision, kind, args.compile and kind == "inference")
-                    rounds = measure(runs, args.rounds, args.min_seconds, batch)
-                    cell = {"model": name, "batch": batch, "precision": precision, "kind": kind, "rounds": rounds}
-                    result["rows"].append(summarise(cell))
-                    print(table(result["rows"][-1:]).splitlines()[-1], flush=True)
-                    if args.out:  # after every cell, so a run cut short still leaves what it measured
-                        write_record(args.out, result)
+    cpu = re.sub(r"[^a-z0-9]+", "-", m["cpu"].lower()).strip("-")
+    out = args.out or RESULTS / f"compare-{cpu}-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.json"
+    with tempfile.TemporaryDirectory() as graphs:
+        for name in args.models:
+            config = vitkit.decode_variant(name, **json.loads(args.model_args))
+            for kind in args.kinds:
+                for precision in args.precisions:
+                    for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
+                        inference = kind == "inference"
+                        runtimes = Path(graphs) if args.runtimes and inference else None
+                        runs = contenders(config, name, batch, precision, kind, args.compile and inference, runtimes)
+                        runs = {k: v for k, v in runs.items() if k not in args.skip}
+                        rounds = args.rounds_large if batch >= 64 else args.rounds
+                        cell = {"model": name, "batch": batch, "precision": precision, "kind": kind}
+                        result["rows"].append(
+                            summarise({**cell, "rounds": measure(runs, rounds, args.min_seconds, batch)})
+                        )
+                        print(table(result["rows"][-1:]).splitlines()[-1], flush=True)
+                        write_record(out, result)  # after every cell: a run cut short still leaves what it measured
     print(table(result["rows"]))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import vitkit
-from helpers import SRC, subprocess_env
+from helpers import SRC, perturbed, subprocess_env, tiny
 from vitkit import inference as opt
-from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches
+from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, ratios_to_fastest
 from vitkit.cli import main
 from vitkit.machine import CPU_FLAGS, describe
 
@@ -157,20 +157,39 @@ def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_f
         assert 100 * row["mfu"] == pytest.approx(float(mfu), abs=0.06) and len(row["rounds_s"]) == 1
 
 
+def runtimes_installed() -> None:
+    for name in ("onnx", "onnxscript", "onnxruntime", "openvino"):
+        pytest.importorskip(name, reason=f"the runtimes' comparison needs the optional {name} (dev extra)")
+
+
 @pytest.mark.slow
 def test_the_comparison_script_writes_a_record_with_the_machine_every_round_and_the_ratio_of_the_rounds(tmp_path):
     out = tmp_path / "compare.json"
-    run_script("compare.py", "--models", "ViT-Ti/16", "--batches", "1", "--precisions", "fp32", "--rounds", "3",
-               "--min-seconds", "0", "--no-compile", "--out", str(out))  # fmt: skip
+    runtimes_installed()
+    args = ["--models", "ViT-Ti/16", "--model-args", '{"num_layers": 2, "image_size": 32}', "--batches", "1"]
+    run_script("compare.py", *args, "--precisions", "fp32", "--rounds", "3", "--min-seconds", "0", "--no-compile",
+               "--out", str(out))  # fmt: skip
     record = json.loads(out.read_text())
     assert record["benchmark"] == "compare" and record["machine"]["cpu"] == describe()["cpu"]
     assert record["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert record["command"].startswith("python benchmarks/compare.py --models ViT-Ti/16")
-    assert record["settings"]["rounds"] == 3 and record["date"] and record["versions"]["timm"]
+    assert record["settings"]["rounds"] == 3 and record["date"] and record["commit"]
+    assert {"torch", "onnxruntime", "openvino", "timm", "transformers"} <= set(record["versions"])
+    assert set(record["machine"]["flags"]) <= {
+        "avx2",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "amx_bf16",
+        "amx_int8",
+        "amx_tile",
+    }
     assert [row["kind"] for row in record["rows"]] == ["inference", "train"]
     for row in record["rows"]:
         rounds = row["rounds"]
         assert all(len(v) == 3 for v in rounds.values()) and "HF" in rounds and "vitkit" in rounds
+        assert ("ONNX Runtime" in rounds and "OpenVINO" in rounds) == (row["kind"] == "inference")
+        assert max(row["ratio_to_fastest"].values()) == 1.0
         assert row["images_per_s"] == {k: statistics.median(v) for k, v in rounds.items()}
         peers = {k: v for k, v in row["images_per_s"].items() if not k.startswith("vitkit")}
         assert row["best_peer"] == max(peers, key=peers.get)
@@ -194,3 +213,43 @@ def test_bench_plot_has_a_memory_panel_only_with_a_memory_budget(tmp_path):
     plot_bench({**result, "largest_batch": budget, "settings": {"memory_budget_gb": 1.0}}, tmp_path / "both.png")
     alone, both = (Image.open(tmp_path / name).size for name in ("alone.png", "both.png"))
     assert alone[1] == both[1] and both[0] > 1.6 * alone[0]  # one panel, not two of which one empty
+
+
+def test_ratios_to_the_fastest_are_the_median_of_each_rounds_ratio():
+    rates = {"a": [10.0, 20.0, 30.0], "b": [20.0, 20.0, 20.0]}  # medians 20 and 20: the first of them is fastest
+    assert ratios_to_fastest(rates) == {"a": 1.0, "b": 1.0}
+    rates = {"a": [10.0, 30.0, 40.0], "b": [20.0, 20.0, 20.0]}  # a is fastest; b's round ratios 2, 2/3, 1/2
+    assert ratios_to_fastest(rates) == {"a": 1.0, "b": pytest.approx(2 / 3)}
+
+
+@pytest.mark.slow
+def test_bench_compare_runs_a_checkpoint_in_both_runtimes_beside_optimize(tmp_path, capsys):
+    runtimes_installed()
+    model = perturbed(tiny())
+    vitkit.export(model, tmp_path / "m.safetensors")
+    out = tmp_path / "compare.json"
+    args = ["bench", "--compare", "--model", str(tmp_path / "m.safetensors"), "--image-size", "32", "--batch-size",
+            "1", "3", "--precision", "fp32", "bf16", "--rounds", "2", "--min-seconds", "0",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["model"] == str(tmp_path / "m.safetensors")
+    assert vitkit.ViTConfig.from_dict(data["config"]) == model.config
+    fp32 = [r for r in data["rows"] if r["precision"] == "fp32"]
+    assert [(r["batch"], r["contender"]) for r in fp32] == [
+        (b, c) for b in (1, 3) for c in ("vitkit.optimize", "onnxruntime", "openvino")
+    ]
+    for r in fp32:
+        assert len(r["rounds"]) == 2 and r["max_relative_difference"] <= 1e-4
+        assert f"{r['batch']:>5} fp32 {r['contender']:<17}{r['images_per_s']:>10.2f}" in printed
+    for batch in (1, 3):
+        cell = [r["ratio_to_fastest"] for r in data["rows"] if r["batch"] == batch and r["precision"] == "bf16"]
+        assert cell and max(cell) == 1.0
+    assert not any(r["contender"] == "onnxruntime" for r in data["rows"] if r["precision"] == "bf16")
+    assert any("onnxruntime: no bf16 path" in note for note in data["notes"])
+
+
+def test_bench_compare_takes_one_resolution(capsys):
+    assert main(["bench", "--compare", "--model", "ViT-Ti/16", "--image-size", "32", "64"]) == 2
+    assert "--image-size 32 64 with --compare: give one resolution" in capsys.readouterr().err

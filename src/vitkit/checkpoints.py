@@ -113,11 +113,15 @@ def create_model(name: str, pretrained: str | None = None, **overrides) -> Model
     return new_model(name, **overrides)
 
 
-def export(model: Model, path: str | os.PathLike, format: str = "vitkit", *, overwrite: bool = False) -> None:
+def export(model: Model, path: str | os.PathLike, format: str = "auto", *, overwrite: bool = False) -> None:
     """Write `model` in `format` (atomically): "vitkit" (a file), "hf" (a directory), "timm" (a safetensors
-    state dict; a path without a suffix: timm's hub directory) or "npz" (the official layout). Class names travel
-    in vitkit and timm metadata and in Hugging Face's id2label. A BiT ResNet baseline is written in vitkit's
-    format only. An existing file or non-empty directory at `path` is a FileExistsError unless `overwrite`."""
+    state dict; a path without a suffix: timm's hub directory), "npz" (the official layout) or "onnx" (a graph for
+    ONNX Runtime, OpenVINO and the like, dynamic in the batch, preprocessing in its metadata); "auto": the format
+    the path's suffix names (.onnx, .npz), else "vitkit". Class names travel in vitkit, timm and ONNX metadata and
+    in Hugging Face's id2label. A BiT ResNet baseline is written in vitkit's format only. An existing file or
+    non-empty directory at `path` is a FileExistsError unless `overwrite`."""
+    if format == "auto":
+        format = formats.export_format(path)
     if not isinstance(model, VisionTransformer) and format != "vitkit":
         raise ValueError(
             f"format={format!r} holds Vision Transformers only: export a {type(model).__name__} with format='vitkit'."

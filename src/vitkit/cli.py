@@ -150,6 +150,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compare:
+        return _bench_compare(args)
     result = bench(
         args.model,
         image_sizes=tuple(args.image_size),
@@ -168,6 +170,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         json_path, png_path = write_bench(result, args.out, args.overwrite)
         print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    """`vitkit bench --compare`: vitkit.optimize against ONNX Runtime and OpenVINO, side by side."""
+    import os
+
+    from .benchmark import compare_runtimes, format_compare, write_record
+
+    if len(args.image_size) > 1:
+        raise ValueError(f"--image-size {' '.join(map(str, args.image_size))} with --compare: give one resolution.")
+    if os.path.exists(args.model):
+        model: Any = load_checkpoint(args.model, image_size=args.image_size[0], **args.model_args)
+        if not isinstance(model, VisionTransformer):
+            raise ValueError(f"{args.model} holds a {type(model).__name__}: --compare runs Vision Transformers.")
+        args.model_args = {}
+    else:
+        model, args.model_args = args.model, {"image_size": args.image_size[0], **args.model_args}
+    result = compare_runtimes(
+        model,
+        batch_sizes=tuple(args.batch_size),
+        precisions=tuple(args.precision),
+        rounds=args.rounds,
+        min_seconds=args.min_seconds,
+        **args.model_args,
+    )
+    if isinstance(model, VisionTransformer):
+        result["model"] = str(args.model)
+    print(format_compare(result))
+    if args.out:
+        print(f"wrote {write_record(args.out, result)}")
     return 0
 
 
@@ -431,14 +464,22 @@ def _add_pretrained_command(sub) -> None:
 
 def _add_convert_command(sub) -> None:
     """`vitkit convert`."""
-    p = sub.add_parser("convert", help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face")
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint between vitkit, official .npz, timm and Hugging Face, or export it to ONNX",
+    )
     p.add_argument("src", help="checkpoint file, Hugging Face model directory, or pretrained name")
     p.add_argument(
         "dst",
         help="output file; a directory for --to hf, and for --to timm when DST has no suffix "
         "(timm's hub layout: model.safetensors + config.json)",
     )
-    p.add_argument("--to", required=True, choices=formats.WRITABLE, help="output format")
+    p.add_argument(
+        "--to",
+        required=True,
+        choices=formats.WRITABLE,
+        help="output format (onnx: a graph for ONNX Runtime, OpenVINO, ...; needs onnxscript)",
+    )
     p.add_argument("--format", default="auto", choices=("auto", *formats.FORMATS), help="input format")
     _add_overwrite_option(p, "DST")
     _add_reading_options(p, images=False)
@@ -600,6 +641,12 @@ def _add_bench_command(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, the median kept (default 3)")
     p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timing per cell and round (default 0.2)")
     p.add_argument("--memory-budget-gb", type=float, help="report the largest batch that fits this memory")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="instead: vitkit.optimize against ONNX Runtime and OpenVINO on the same weights, side by side "
+        "(--model may then be a checkpoint)",
+    )
     _add_execution_options(p)
     p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
     _add_overwrite_option(p, "--out and its plot")

