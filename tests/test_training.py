@@ -17,8 +17,8 @@ from vitkit import recipes
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.distributed import World
-from vitkit.model import resample_grid
 from vitkit.inference import compiler_present, resolve_precision
+from vitkit.model import resample_grid
 from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
 from vitkit.runs import read_checkpoint, read_metrics
 from vitkit.training import initial_model, train

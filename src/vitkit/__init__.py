@@ -13,8 +13,8 @@ from .checkpoints import create_model, export, load_checkpoint, load_pretrained
 from .config import ResNetConfig, ViTConfig, decode_variant, list_models
 from .efficiency import count_params, flops
 from .errors import CheckpointError, ImageError
-from .model import VisionTransformer
 from .inference import optimize
+from .model import VisionTransformer
 from .pretrained import list_pretrained
 from .recipes import TrainConfig
 

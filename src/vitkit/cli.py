@@ -18,10 +18,10 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError
+from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, optimize, resolve_precision
 from .kernels import retain_freed_memory
 from .model import VisionTransformer
-from .inference import optimize, resolve_precision
-from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, field_help, field_types
+from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, field_help, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -123,6 +123,16 @@ def _for_inference(model, args: argparse.Namespace):
     return optimize(model) if args.optimize else model
 
 
+def _int8(model, args: argparse.Namespace, calibration, source: str):
+    """The int8 copy of `model`, calibrated on `calibration` (images from `source`, which is printed)."""
+    if not args.optimize:
+        raise ValueError("--precision int8 with --no-optimize: int8 is the copy vitkit.optimize makes; drop "
+                         "--no-optimize.")  # fmt: skip
+    count = sum(len(x) for x in calibration) if isinstance(calibration, list) else len(calibration)
+    print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
+    return optimize(model, "int8", calibration=calibration)
+
+
 def _add_optimize_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-optimize", dest="optimize", action="store_false",
                    help="run the model as loaded, not the copy vitkit.optimize makes")  # fmt: skip
@@ -186,7 +196,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split; with --fewshot, the paper's
     few-shot linear accuracy of its frozen features instead."""
     from .data import get_dataset
-    from .evaluation import evaluate, fewshot, format_eval
+    from .evaluation import calibration_batches, evaluate, fewshot, format_eval
 
     model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
@@ -205,9 +215,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
-    precision = resolve_precision(args.precision, next(model.parameters()).device)
-    if args.optimize:
-        model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
+    if args.precision == "int8":
+        calibration = calibration_batches(model, get_dataset(args.data, "train", **kwargs), args.calibration_images)
+        model, precision = _int8(model, args, calibration, f"{args.data}'s train split, --calibration-images"), "fp32"
+    else:
+        precision = resolve_precision(args.precision, next(model.parameters()).device)
+        if args.optimize:
+            model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
@@ -236,10 +250,17 @@ def _std(values: list[float]) -> float:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
     from .data import read_image
-    from .evaluation import image_files, input_notes, predict
+    from .evaluation import image_batch, image_files, input_notes, predict
 
-    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     files = image_files(args.images)
+    if args.precision == "int8":
+        model = _int8(model, args, image_batch(model, files), "the images being predicted")
+    elif args.optimize:
+        model = optimize(model, args.precision)
+    elif args.precision != "auto":
+        raise ValueError(f"--precision {args.precision} with --no-optimize: the precision is the optimized copy's; "
+                         "drop --no-optimize.")  # fmt: skip
     results = predict(model, files, args.top_k, progress=True, strict=args.strict)
     for path, top in zip(files, results):
         if top is None:  # unreadable: warned about, counted below
@@ -434,9 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help=field_help("data_dir")[0])
     p.add_argument("--split", default="test", choices=("train", "test"), help="split to evaluate (default test)")
     p.add_argument("--batch-size", type=int, default=1000, help="images per forward pass (default 1000)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+    p.add_argument("--precision", default="fp32", choices=OPTIMIZE_PRECISIONS,
                    help="arithmetic of the forward passes: bf16 autocasts matrix products, auto is bf16 where the "
-                        "hardware has it (default fp32)")  # fmt: skip
+                        "hardware has it, int8 quantizes (CPU; calibrated on --calibration-images of the train "
+                        "split) (default fp32)")  # fmt: skip
+    p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
+                   help=f"for --precision int8: images of the train split to calibrate on (default "
+                        f"{CALIBRATION_IMAGES})")  # fmt: skip
     _add_execution_options(p)
     p.add_argument("--fewshot", metavar="K,K,...", help="few-shot linear accuracy with K images per class, e.g. 1,5,10")
     p.add_argument("--draws", type=int, default=5, help="random draws of the shots to average (default 5)")
@@ -476,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model file with class names (as `vitkit train` saves), or pretrained name")  # fmt: skip
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
+    p.add_argument("--precision", default="auto", choices=OPTIMIZE_PRECISIONS,
+                   help="of the optimized copy: auto is bf16 where the hardware has it, else fp32; int8 quantizes "
+                        "(CPU), calibrated on the images being predicted (default auto)")  # fmt: skip
     _add_execution_options(p)
     _add_reading_options(p)
     _add_optimize_option(p)
@@ -487,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, nargs="+", default=[224], help="resolutions (default 224)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=BENCH_PRECISIONS,
-                   help="arithmetic to time (default fp32 bf16; bf16 is slow where the CPU emulates it)")  # fmt: skip
+                   help="arithmetic to time (default fp32 bf16; bf16 is slow where the CPU emulates it; int8 times "
+                        "the optimized copy, calibrated on the random images it times)")  # fmt: skip
     p.add_argument("--mode", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES,
                    help="plain model(x) and/or the vitkit.optimize copy (default both)")  # fmt: skip
     p.add_argument("--no-train", dest="train", action="store_false", help="leave out the training step")

@@ -51,8 +51,8 @@ from .distributed import (
 from .efficiency import count_params
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
-from .model import VisionTransformer
 from .inference import resolve_precision
+from .model import VisionTransformer
 from .recipes import TrainConfig, build_optimizer, learning_rate, resume_changes, set_trainable, should_compile
 from .runs import (
     SHARDED_CHECKPOINT,
