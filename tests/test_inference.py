@@ -353,11 +353,12 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
         logits = quantized(test_images)
         int8_top1 = (logits.argmax(1) == test_labels).float().mean().item()
         assert counters["inductor"]["qlinear_weight_prepack_matcher_count"] > 0  # int8 kernels, not fake quant
-        assert fp32_top1 >= 0.9, fp32_top1  # a trained model, so the bound below means something
+        assert fp32_top1 >= 0.8, fp32_top1  # a trained model (chance: 0.1), so the bound below means something
         assert int8_top1 >= fp32_top1 - 0.01, (int8_top1, fp32_top1)
         reference = quantized.program._orig_mod
         for x in (test_images, test_images[:1], test_images[:5]):
             want = reference(x)
             torch.testing.assert_close(quantized(x), want, rtol=0, atol=1e-4 * want.abs().max().item())
+    assert quantized.eval() is quantized and not quantized.training  # as `evaluate` calls it
     with pytest.raises(ValueError, match="inference only"):
         quantized.train()

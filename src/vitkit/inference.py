@@ -196,7 +196,8 @@ def optimize(
         if pack or compile:
             raise ValueError("precision='int8' with pack=True or compile=True: int8 is always compiled (freezing "
                              "packs its weights); leave both at their defaults.")  # fmt: skip
-        return quantize_int8(model, calibration)
+        # An Int8Model: a VisionTransformer's inference interface (forward, config, class_names)
+        return typing.cast(VisionTransformer, quantize_int8(model, calibration))
     if calibration is not None:
         raise ValueError(f"calibration= with precision={precision!r}: only int8 is calibrated; pass "
                          "precision='int8', or leave calibration out.")  # fmt: skip
@@ -284,17 +285,22 @@ class Int8Model(nn.Module):
         super().__init__()
         self.program = program  # the quantized graph, compiled
         self.config, self.class_names = model.config, getattr(model, "class_names", None)
+        self.training = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Freezing (weights as constants) is what lets inductor swap in oneDNN's int8 linears; it must be set in the
         # global config when a shape compiles, which `torch.compile(options=...)` does not reach for these passes.
-        with torch._inductor.config.patch(freezing=True):
+        with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="To copy construct from a tensor")  # inductor's, compiling
             return self.program(x)
 
     def train(self, mode: bool = True) -> Int8Model:
+        """eval() (a no-op: the graph was put in eval mode when quantized, and an exported graph refuses the
+        call); train() is refused."""
         if mode:
             raise ValueError("an int8 copy is for inference only: train the fp32 model, then quantize it again.")
-        return super().train(False)
+        self.training = False
+        return self
 
 
 def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.Iterable | None) -> Int8Model:
@@ -329,7 +335,7 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
     batch = torch.export.Dim("batch", min=1)
     graph = torch.export.export(plain, (example,), dynamic_shapes=({0: batch},)).module()
     quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
-    observed = prepare_pt2e(graph, quantizer)  # type: ignore[arg-type]
+    observed = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         for images in batches:
             observed(images.to(device=device, dtype=torch.float32))
