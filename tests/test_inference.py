@@ -337,7 +337,7 @@ def trained_digits_model() -> tuple[vitkit.VisionTransformer, torch.Tensor, torc
 def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_reference():
     """Top-1 on held-out digits within 1 point of fp32 (4 of 397 images); the compiled int8 copy (oneDNN's int8
     linears) gives the logits of the quantized graph it was compiled from, which runs each layer as fp32 arithmetic
-    on dequantized int8 values: the independent reference of the kernels, at batch sizes other than the
+    on dequantized int8 values (the independent reference of the kernels), at batch sizes other than the
     calibration's."""
     needs_torchao()
     from torch._dynamo.utils import counters
@@ -356,9 +356,14 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
         assert fp32_top1 >= 0.8, fp32_top1  # a trained model (chance: 0.1), so the bound below means something
         assert int8_top1 >= fp32_top1 - 0.01, (int8_top1, fp32_top1)
         reference = quantized.program._orig_mod
+        # The kernels quantize with their own float arithmetic (fused into the layer before), so a value that falls
+        # on a rounding boundary may take the neighbouring int8 level: a few rows move by about a quantization step
+        # (at most 2% of the logits' scale); all others agree to float rounding.
         for x in (test_images, test_images[:1], test_images[:5]):
-            want = reference(x)
-            torch.testing.assert_close(quantized(x), want, rtol=0, atol=1e-4 * want.abs().max().item())
+            want, got = reference(x), quantized(x)
+            scale = want.abs().max()
+            assert (got - want).abs().max() <= 0.02 * scale
+            assert ((got - want).abs() <= 1e-4 * scale).float().mean() >= 0.99
     assert quantized.eval() is quantized and not quantized.training  # as `evaluate` calls it
     with pytest.raises(ValueError, match="inference only"):
         quantized.train()
