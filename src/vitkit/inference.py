@@ -12,9 +12,10 @@ What it does (each step measured on the machine it was written on; figures in do
   too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU);
 - int8 (asked for by name only, since it changes the results): PyTorch's PT2E quantization with the x86 inductor
-  quantizer (torchao's): every linear layer's weight int8 per output channel, its input int8 per tensor with a scale
-  calibrated on a few batches the caller passes, then `torch.compile` with freezing, which lowers each layer to
-  oneDNN's int8 linear. Fast where the CPU has int8 dot-product instructions (AVX-512 VNNI or AMX).
+  quantizer (torchao's): every linear layer's weight int8 per output channel, its input 8-bit per tensor (unsigned,
+  with a zero point) with a scale calibrated on a few batches the caller passes, then `torch.compile` with freezing,
+  which lowers each layer to oneDNN's int8 linear. Fast where the CPU has int8 dot-product instructions (AVX-512
+  VNNI, AVX-VNNI or AMX).
 
 bf16 is only fast where the hardware has it: CUDA GPUs from Ampere on, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere oneDNN emulates it and it is several times slower than fp32: `precision="auto"` then picks fp32,
@@ -246,7 +247,7 @@ def _replace_linears(module: nn.Module) -> None:
 
 def int8_fast_path_missing() -> str | None:
     """What this CPU lacks for fast int8 matrix products, or None where it has them: oneDNN's int8 GEMMs multiply
-    with VNNI (AVX-512 VNNI, AVX-VNNI) or AMX dot-product instructions; without them they run slower than fp32."""
+    with VNNI (AVX-512 VNNI, AVX-VNNI) or AMX dot-product instructions; without them int8 has no fast path."""
     capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     if any(capabilities.get(name) for name in ("avx512_vnni", "avx_vnni", "amx_int8")):
         return None
@@ -305,7 +306,8 @@ class Int8Model(nn.Module):
 
 def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.Iterable | None) -> Int8Model:
     """An int8 copy of `model` for CPU inference, by PyTorch's PT2E flow with the x86 inductor quantizer: every
-    linear layer's weight int8 per output channel (symmetric), its input int8 per tensor, with scales observed
+    linear layer's weight int8 per output channel (symmetric), its input 8-bit per tensor (unsigned, with a zero
+    point), with scales observed
     on `calibration` (a (B, C, H, W) tensor, or an iterable of such batches or of (images, labels) pairs, such as
     a DataLoader; a few hundred typical images), then compiled with freezing, so that each layer runs as
     oneDNN's int8 linear. Warns where the CPU has no fast int8 path (`int8_fast_path_missing`)."""
@@ -325,7 +327,8 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
     batches = _calibration_batches(calibration)
     missing = int8_fast_path_missing()
     if missing:
-        warnings.warn(f"this CPU has no {missing}: int8 runs slower here than fp32. Use precision='auto'.",
+        warnings.warn(f"this CPU has no {missing}, oneDNN's fast int8 path: int8 may run no faster than fp32 "
+                      "here. precision='auto' gives the fastest copy with the model's own results.",
                       stacklevel=3)  # fmt: skip
     plain = copy.deepcopy(model).eval().requires_grad_(False)
     _plain_nn_linears(plain)
