@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -81,7 +82,7 @@ def latest_cells(records: list[dict], kind: str) -> dict[tuple, dict[str, dict]]
     """(model, batch, precision) -> machine -> the row of that machine's latest compare record for it."""
     cells: dict[tuple, dict[str, dict]] = {}
     for record in sorted(records, key=lambda r: r.get("date") or ""):
-        if record["benchmark"] != "compare":
+        if record.get("benchmark") != "compare":
             continue
         for row in record["rows"]:
             if row["kind"] == kind:
@@ -127,7 +128,7 @@ def summary(records: list[dict]) -> str:
     """Per machine: the range of the inference and training ratios over the fastest peer."""
     cells = {kind: latest_cells(records, kind) for kind in ("inference", "train")}
     rows = []
-    for m in machines_in([r for r in records if r["benchmark"] == "compare"]):
+    for m in machines_in([r for r in records if r.get("benchmark") == "compare"]):
         inf = [per[m] for per in cells["inference"].values() if m in per]
         train = [per[m] for per in cells["train"].values() if m in per]
         rows.append([m, ratio_range(inf), ratio_range(train)])
@@ -138,7 +139,7 @@ def bench(records: list[dict]) -> str:
     """`vitkit bench`: inference FLOP/s as a fraction of the machine's own matmul rate, plain / optimized."""
     cells: dict[tuple, dict[str, dict[str, float]]] = {}
     for record in sorted(records, key=lambda r: r.get("date") or ""):
-        if record["benchmark"] != "bench":
+        if record.get("benchmark") != "bench":
             continue
         for row in record["rows"]:
             if row["kind"] == "inference":
@@ -146,7 +147,7 @@ def bench(records: list[dict]) -> str:
                 cells.setdefault(key, {}).setdefault(label(record["machine"]), {})[row["mode"]] = row[
                     "fraction_of_matmul"
                 ]
-    columns = machines_in([r for r in records if r["benchmark"] == "bench"])
+    columns = machines_in([r for r in records if r.get("benchmark") == "bench"])
     rows = []
     for key in sorted(cells, key=lambda k: (k[0], k[3], k[1], k[2])):
         per = cells[key]
@@ -167,7 +168,7 @@ def options(records: list[dict]) -> str:
     """What each of vitkit's speed rules gains, side by side against the same without it."""
     rows = []
     for record in sorted(records, key=lambda r: r.get("date") or ""):
-        if record["benchmark"] == "options":
+        if record.get("benchmark") == "options":
             for row in record["rows"]:
                 rows.append(
                     [row["option"], row["cell"], row["against"], label(record["machine"]), ratio_text(row["ratio"])]
@@ -183,7 +184,7 @@ def main_job(records: list[dict]) -> str:
     """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine."""
     groups: dict[tuple, list[dict]] = {}
     for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
-        if record["benchmark"] == "main-job":
+        if record.get("benchmark") == "main-job":
             for row in record["rows"]:
                 groups.setdefault((label(record["machine"]), row["precision"], row["schedule"]), []).append(row)
     rows = []
@@ -202,7 +203,7 @@ def recipe(records: list[dict]) -> str:
     """The main job with one change to its recipe: test top-1, per machine."""
     rows = []
     for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
-        if record["benchmark"] == "recipe":
+        if record.get("benchmark") == "recipe":
             for row in record["rows"]:
                 time = "-" if row["wall_s"] is None else minutes(row["wall_s"])
                 machine = label(record["machine"]) + (", 1 thread" if row["threads"] == 1 else "")
@@ -214,7 +215,7 @@ def transfer(records: list[dict]) -> str:
     """benchmarks/transfer.py: the pre-trained ViT-S/14 against the same network from scratch."""
     rows = []
     for record in records:
-        if record["benchmark"] == "transfer":
+        if record.get("benchmark") == "transfer":
             for row in record["rows"]:
                 probe = "-" if row["linear_probe"] is None else f"{row['linear_probe']:.1f}%"
                 rows.append([row["data"], row["model"], probe, f"{row['fine_tune']:.1f}%", str(row["steps"])])
@@ -241,7 +242,7 @@ def shard_formats(records: list[dict]) -> str:
     """benchmarks/shard_formats.py: tar (the WebDataset layout) against Parquet shards of the same JPEGs."""
     rows = []
     for record in records:
-        if record["benchmark"] == "shard-formats":
+        if record.get("benchmark") == "shard-formats":
             for row in record["rows"]:
                 rates = (row["write_images_per_s"], row["bytes_per_image"], row["stream_images_per_s"],
                          row["decode_images_per_s"])  # fmt: skip
@@ -254,7 +255,7 @@ def scaling(records: list[dict]) -> str:
     """benchmarks/scaling.py measure: a training step at 224 px in fp32, and its memory."""
     rows = []
     for record in records:
-        if record["benchmark"] == "scaling":
+        if record.get("benchmark") == "scaling":
             for row in record["rows"]:
                 rows.append([row["model"], f"{row['params'] / 1e6:.1f}M", label(record["machine"]), str(row["batch"]),
                              f"{row['images_per_s']:.2f}", f"{row['peak_rss'] / 2**30:.2f} GiB",
@@ -265,7 +266,40 @@ def scaling(records: list[dict]) -> str:
     return markdown(head, rows, right=6)
 
 
+def deploy(records: list[dict]) -> str:
+    """benchmarks/deploy.py: vitkit.optimize in fp32, bf16 and int8 beside ONNX Runtime and OpenVINO, images/s with
+    the ratio to the fastest runtime of the same precision (vitkit) or int8 over vitkit's bf16 copy."""
+    latest: dict[str, dict] = {}
+    for record in sorted((r for r in records if r.get("benchmark") == "deploy"), key=lambda r: str(r.get("date"))):
+        latest[label(record["machine"])] = record
+    copies = ["vitkit fp32", "onnxruntime fp32", "openvino fp32", "vitkit bf16", "openvino bf16", "vitkit int8"]
+    rows = []
+    for name in machines_in(list(latest.values())):
+        record = latest[name]
+        for batch in sorted({c["batch"] for c in record["cells"]}):
+            rates = {c["copy"]: c["rounds"] for c in record["cells"] if c["batch"] == batch}
+            medians = {k: statistics.median(v) for k, v in rates.items()}
+
+            def over(ours: str, theirs: list[str], rates=rates, medians=medians) -> str:
+                present = [t for t in theirs if t in medians]
+                if ours not in medians or not present:
+                    return ""
+                best = max(present, key=medians.__getitem__)
+                ratio = statistics.median(a / b for a, b in zip(rates[ours], rates[best]))
+                return f" ({ratio:.2f}x)"
+
+            notes = {
+                "vitkit fp32": over("vitkit fp32", ["onnxruntime fp32", "openvino fp32"]),
+                "vitkit bf16": over("vitkit bf16", ["onnxruntime fp32", "openvino fp32", "openvino bf16"]),
+                "vitkit int8": over("vitkit int8", ["vitkit bf16"]),
+            }
+            cells = [f"{medians[c]:.1f}{notes.get(c, '')}" if c in medians else "" for c in copies]
+            rows.append([name, record["model"], str(batch), *cells])
+    return markdown(["machine", "model", "batch", *copies], rows, right=len(copies))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "deploy": deploy,
     "inference": inference,
     "training": training,
     "summary": summary,

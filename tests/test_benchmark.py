@@ -56,6 +56,18 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
     assert fitted == {(s, k) for s in (16, 32) for k in ("inference", "train")}
 
 
+@pytest.mark.slow
+def test_bench_int8_times_the_optimized_copy_alone_and_says_what_it_calibrated_on(capsys):
+    pytest.importorskip("torchao", reason="int8 needs the optional torchao (PT2E quantization)")
+    args = ["bench", "--model", "ViT-Ti/8", "--model-args", TINY, "--image-size", "16", "--batch-size", "2",
+            "--precision", "int8", "--no-train", "--rounds", "1", "--min-seconds", "0.001"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on the random images it times" in out
+    (row,) = [line for line in out.splitlines() if " int8 " in line]  # no plain, matmul or training int8 cell
+    assert "inference" in row and "optimized" in row and float(row.split()[5]) > 0  # images/s
+
+
 def test_bench_rejects_an_unknown_precision_with_the_choices():
     with pytest.raises(ValueError, match="choose from fp32, bf16"):
         vitkit.bench("ViT-Ti/8", precisions=("fp16",), progress=False)

@@ -266,3 +266,20 @@ def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, cap
     assert main(["train", "--resume", str(run), "--steps", "2", "--workers", "2"]) == 2
     err = capsys.readouterr().err
     assert "saved with 1 process(es) and --workers 0" in err and "Resume it with 1 process(es)" in err
+
+
+@pytest.mark.slow
+def test_eval_and_predict_precision_int8_say_what_they_calibrated_on(gray_model, tmp_path, capsys):
+    pytest.importorskip("torchao", reason="int8 needs the optional torchao (PT2E quantization)")
+    import numpy as np
+
+    args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100", "--threads", "1"]
+    assert main([*args, "--precision", "int8", "--calibration-images", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "int8: activations calibrated on 32 images (shapes's train split" in out and "top-1" in out
+    image = save_png(tmp_path / "gray16.png", np.full((16, 16), 120, np.uint8))
+    assert main(["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--threads", "1", str(image)]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on 1 images (the images being predicted)" in out and out.count("%") == 5
+    assert main(["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--no-optimize", str(image)]) == 2
+    assert "drop --no-optimize" in capsys.readouterr().err

@@ -271,3 +271,115 @@ def test_compiling_on_a_cpu_silences_torchs_no_cuda_runtime_warning_and_nothing_
         assert "No CUDA runtime" not in caplog.text and "another warning of the extension builder" in caplog.text
     finally:
         logger.removeFilter(machine.CUDA_NOTE_FILTER)
+
+
+# --- int8 -----------------------------------------------------------------------------------------------------
+
+
+def needs_torchao() -> None:
+    pytest.importorskip("torchao", reason="int8 needs the optional torchao (PT2E quantization)")
+
+
+def test_auto_never_chooses_int8_even_where_int8_is_fast(monkeypatch):
+    monkeypatch.setattr(machine, "int8_fast_path_missing", lambda: None)
+    for native in (True, False):
+        monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
+        assert machine.resolve_precision("auto") == ("bf16" if native else "fp32")
+    fast = optimize(small_model())
+    assert not isinstance(fast, opt.Int8Model) and all(p.is_floating_point() for p in fast.parameters())
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "missing"),
+    [
+        ({"avx2": True, "avx512_f": True}, True),
+        ({"avx512_vnni": True}, False),
+        ({"avx_vnni": True}, False),
+        ({"amx_int8": True}, False),
+    ],  # fmt: skip
+    ids=["avx512-only", "avx512-vnni", "avx-vnni", "amx"],
+)
+def test_int8_fast_path_is_missing_only_without_vnni_or_amx(monkeypatch, capabilities, missing):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    message = machine.int8_fast_path_missing()
+    assert (message is not None) == missing
+    if missing:
+        assert "VNNI" in message and "AMX" in message
+
+
+def test_int8_refuses_missing_or_malformed_calibration_by_name():
+    needs_torchao()
+    model = small_model()
+    with pytest.raises(ValueError, match="needs calibration="):
+        optimize(model, "int8")
+    with pytest.raises(ValueError, match=re.escape("got shape (3, 32, 32)")):
+        optimize(model, "int8", calibration=torch.randn(3, 32, 32))
+    with pytest.raises(ValueError, match="empty"):
+        optimize(model, "int8", calibration=[])
+    with pytest.raises(ValueError, match="only int8 is calibrated"):
+        optimize(model, "fp32", calibration=torch.randn(2, 3, 32, 32))
+    with pytest.raises(ValueError, match="compile=True"):
+        optimize(model, "int8", compile=True, calibration=torch.randn(2, 3, 32, 32))
+
+
+@pytest.mark.slow
+def test_int8_warns_where_the_cpu_has_no_fast_int8_path(monkeypatch):
+    needs_torchao()
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})
+    with pytest.warns(UserWarning, match="no int8 dot-product instructions"):
+        optimize(small_model(), "int8", calibration=torch.randn(4, 3, 32, 32))
+
+
+def trained_digits_model() -> tuple[vitkit.VisionTransformer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A small ViT trained for a few seconds on scikit-learn's 8x8 digits (1,400 train, 397 test images)."""
+    datasets = pytest.importorskip("sklearn.datasets", reason="the digits data set comes with scikit-learn")
+    digits = datasets.load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 8 - 1  # (1797, 1, 8, 8) in [-1, 1]
+    labels = torch.tensor(digits.target)
+    model = vitkit.create_model("ViT-Ti/2", hidden_size=32, num_layers=2, mlp_dim=64, num_heads=2, num_classes=10,
+                                image_size=8, in_chans=1)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        batch = torch.randint(0, 1400, (128,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(images[batch]), labels[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval(), images[:1400], labels[:1400], images[1400:], labels[1400:]
+
+
+@pytest.mark.slow
+def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_reference():
+    """Top-1 on held-out digits within 1 point of fp32 (4 of 397 images); the compiled int8 copy (oneDNN's int8
+    linears) gives the logits of the quantized graph it was compiled from, which runs each layer as fp32 arithmetic
+    on dequantized int8 values (the independent reference of the kernels), at batch sizes other than the
+    calibration's."""
+    needs_torchao()
+    from torch._dynamo.utils import counters
+
+    model, train_images, _, test_images, test_labels = trained_digits_model()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
+        quantized = optimize(model, "int8", calibration=train_images[:256])
+    assert isinstance(quantized, opt.Int8Model) and quantized.config == model.config
+    with torch.no_grad():
+        fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()
+        logits = quantized(test_images)
+        int8_top1 = (logits.argmax(1) == test_labels).float().mean().item()
+        assert counters["inductor"]["qlinear_weight_prepack_matcher_count"] > 0  # int8 kernels, not fake quant
+        assert fp32_top1 >= 0.8, fp32_top1  # a trained model (chance: 0.1), so the bound below means something
+        assert int8_top1 >= fp32_top1 - 0.01, (int8_top1, fp32_top1)
+        reference = quantized.program._orig_mod
+        # The kernels quantize with their own float arithmetic (fused into the layer before), so a value that falls
+        # on a rounding boundary may take the neighbouring int8 level: a few rows move by about a quantization step
+        # (at most 2% of the logits' scale); all others agree to float rounding.
+        for x in (test_images, test_images[:1], test_images[:5]):
+            want, got = reference(x), quantized(x)
+            scale = want.abs().max()
+            assert (got - want).abs().max() <= 0.02 * scale
+            assert ((got - want).abs() <= 1e-4 * scale).float().mean() >= 0.99
+    assert quantized.eval() is quantized and not quantized.training  # as `evaluate` calls it
+    with pytest.raises(ValueError, match="inference only"):
+        quantized.train()

@@ -37,7 +37,7 @@ from .inference import PackedLinear, optimize, packing_available
 from .model import VisionTransformer
 
 MODES = ("plain", "optimized")
-BENCH_PRECISIONS = ("fp32", "bf16")
+BENCH_PRECISIONS = ("fp32", "bf16", "int8")  # int8: the optimized copy only, for inference
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -177,8 +177,9 @@ def _time(cell: _Cell, device: torch.device, min_seconds: float) -> float:
 def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: ViTConfig) -> _Cell:
     if mode == "optimized":
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # emulated bf16 is measured all the same; `machine` says it is
-            net = optimize(model, precision)
+            warnings.simplefilter("ignore")  # emulated bf16 (slow int8) is measured all the same; `machine` says it is
+            # int8 calibrates on the images it times: only its speed is measured here
+            net = optimize(model, precision, calibration=x if precision == "int8" else None)
 
         def run():
             with torch.inference_mode():
@@ -215,6 +216,17 @@ def _train_cell(config: ViTConfig, precision: str, x: torch.Tensor, compile: boo
     mode = "compiled" if compile else "plain"
     work = 3 * x.shape[0] * flops(config, pooled_only=True)  # backward: 2x forward
     return _Cell("train", precision, mode, run, x.shape[0], work, state=(model, optimizer))
+
+
+def _cells_of(
+    precision: str, device: torch.device, modes: tuple[str, ...], train: bool, compile: bool
+) -> list[tuple[str, str]]:
+    """(kind, mode) of each cell timed for `precision`: int8 is the optimized copy's inference alone (no plain
+    int8 model, no int8 training, no int8 GEMM of torch's to set beside it)."""
+    if precision == "int8":
+        return [("inference", "optimized")] if "optimized" in modes else []
+    cells = [("matmul", m) for m in _matmul_modes(precision, device)] + [("inference", m) for m in modes]
+    return cells + [("train", "plain"), ("train", "compiled")][: (1 + compile) * train]
 
 
 def _matmul_modes(precision: str, device: torch.device) -> tuple[str, ...]:
@@ -293,7 +305,7 @@ def bench(
         "largest_batch": [],
     }
     groups = [(size, batch) for size in image_sizes for batch in batch_sizes]
-    per_group = sum(len(_matmul_modes(p, device)) + len(modes) + (1 + compile) * train for p in precisions)
+    per_group = sum(len(_cells_of(p, device, modes, train, compile)) for p in precisions)
     bar = tqdm(
         total=len(groups) * per_group * (rounds + 1),
         desc="vitkit bench",
@@ -307,17 +319,18 @@ def bench(
             x = torch.randn(batch, config.in_chans, *config.image_size, device=device)
             cells: list[_Cell] = []
             for precision in precisions:
-                cells += [_matmul_cell(config, precision, batch, device, m) for m in _matmul_modes(precision, device)]
-                cells += [_inference_cell(net, precision, mode, x, config) for mode in modes]
-                if train:
-                    cells.append(_train_cell(config, precision, x))
-                    if compile:
-                        cells.append(_train_cell(config, precision, x, compile=True))
+                for kind, mode in _cells_of(precision, device, modes, train, compile):
+                    if kind == "matmul":
+                        cells.append(_matmul_cell(config, precision, batch, device, mode))
+                    elif kind == "inference":
+                        cells.append(_inference_cell(net, precision, mode, x, config))
+                    else:
+                        cells.append(_train_cell(config, precision, x, compile=mode == "compiled"))
             for cell in cells:  # warm-up (and compilation), then the peak memory of one call
                 cell.run()
                 _sync(device)
                 static = _state_bytes(*cell.state)  # after the first call: the packings it made are there
-                if cell.kind != "matmul" and cell.mode != "compiled":
+                if cell.kind != "matmul" and cell.mode != "compiled" and cell.precision != "int8":  # int8 is compiled
                     cell.memory = _measure_memory(cell, static)
                 cell.rates = []
                 bar.update(1)
@@ -340,7 +353,10 @@ def bench(
                     "gflops_per_s": cell.flops / seconds / 1e9,
                     "rounds_s": cell.rates,  # seconds per call, each round
                 }
-                row["fraction_of_matmul"] = cell.flops / seconds / peak[cell.precision]
+                # int8 has no GEMM of its own timed beside it
+                row["fraction_of_matmul"] = (
+                    cell.flops / seconds / peak[cell.precision] if cell.precision in peak else None
+                )
                 if cell.kind != "matmul":
                     row["images_per_s"] = cell.images / seconds
                     row["peak_memory_mb"] = None if cell.memory is None else cell.memory / 2**20
@@ -398,10 +414,13 @@ def format_bench(result: dict) -> str:
             )
             continue
         mem = "" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
+        fraction = "" if r["fraction_of_matmul"] is None else f"{r['fraction_of_matmul']:.2f}"
         lines.append(
             f"{r['image_size']:>5}{r['batch']:>6} {r['precision']:<5}{r['kind']:<10}{r['mode']:<10}"
-            f"{r['images_per_s']:>10.2f}{r['gflops_per_s']:>9.1f}{r['fraction_of_matmul']:>10.2f}{mem:>9}"
+            f"{r['images_per_s']:>10.2f}{r['gflops_per_s']:>9.1f}{fraction:>10}{mem:>9}"
         )
+    if any(r["precision"] == "int8" for r in result["rows"]):
+        lines.append("int8: vitkit.optimize's copy, calibrated on the random images it times (its speed only)")
     for r in result["largest_batch"]:
         lines.append(
             f"largest batch in {result['settings']['memory_budget_gb']} GB at {r['image_size']} px, "
@@ -629,12 +648,18 @@ def compare_runtimes(
                 ratios = ratios_to_fastest(rates)
                 scale = max(float(np.abs(reference).max()), 1e-12)
                 for name, r in rates.items():
-                    result["rows"].append({
-                        "image_size": list(config.image_size), "batch": batch, "precision": precision,
-                        "contender": name, "images_per_s": statistics.median(r), "rounds": r,
-                        "ratio_to_fastest": ratios[name],
-                        "max_relative_difference": float(np.abs(outputs[name] - reference).max()) / scale,
-                    })  # fmt: skip
+                    result["rows"].append(
+                        {
+                            "image_size": list(config.image_size),
+                            "batch": batch,
+                            "precision": precision,
+                            "contender": name,
+                            "images_per_s": statistics.median(r),
+                            "rounds": r,
+                            "ratio_to_fastest": ratios[name],
+                            "max_relative_difference": float(np.abs(outputs[name] - reference).max()) / scale,
+                        }
+                    )
                 if progress:
                     rows = result["rows"][-len(rates) :]
                     print(format_compare({**result, "rows": rows}, header=False), file=sys.stderr, flush=True)
@@ -647,11 +672,15 @@ def format_compare(result: dict, header: bool = True) -> str:
     if header:
         m = result["machine"]
         versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-        lines.append(f"{result['model']} on {m['cpu']} ({m['cpu_capability']}), {result['settings']['threads']} "
-                     f"threads, {versions}; median of {result['settings']['rounds']} interleaved rounds")  # fmt: skip
+        lines.append(
+            f"{result['model']} on {m['cpu']} ({m['cpu_capability']}), {result['settings']['threads']} "
+            f"threads, {versions}; median of {result['settings']['rounds']} interleaved rounds"
+        )
         lines += [f"note: {n}" for n in result["notes"]]
         lines.append(f"{'batch':>5} {'prec':<5}{'contender':<17}{'images/s':>10}{'vs fastest':>11}{'max rel diff':>13}")
     for r in result["rows"]:
-        lines.append(f"{r['batch']:>5} {r['precision']:<5}{r['contender']:<17}{r['images_per_s']:>10.2f}"
-                     f"{r['ratio_to_fastest']:>10.2f}x{r['max_relative_difference']:>13.1e}")  # fmt: skip
+        lines.append(
+            f"{r['batch']:>5} {r['precision']:<5}{r['contender']:<17}{r['images_per_s']:>10.2f}"
+            f"{r['ratio_to_fastest']:>10.2f}x{r['max_relative_difference']:>13.1e}"
+        )
     return "\n".join(lines)

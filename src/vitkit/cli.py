@@ -20,10 +20,10 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError, from_command
-from .inference import optimize
+from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, optimize
 from .machine import resolve_precision, retain_freed_memory
 from .model import VisionTransformer
-from .recipes import FINETUNE_DEFAULTS, PRECISIONS, RESUMABLE, TrainConfig, counting, field_help, field_types
+from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, counting, field_help, field_types
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -97,9 +97,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
     print(occlusion_plan(model, samples.images.shape[0], args.stride), flush=True)
     path = write_report(
-        model, samples, args.out, title=f"vitkit inspect: {args.checkpoint}", stride=args.stride, progress=True,
+        model,
+        samples,
+        args.out,
+        title=f"vitkit inspect: {args.checkpoint}",
+        stride=args.stride,
+        progress=True,
         overwrite=args.overwrite,
-    )  # fmt: skip
+    )
     print(f"wrote {path} ({samples.images.shape[0]} image(s))")
     return 0
 
@@ -126,6 +131,17 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
 def _for_inference(model, args: argparse.Namespace):
     """The model as `vitkit.optimize` makes it (fp32, or bf16 where native), unless --no-optimize."""
     return optimize(model) if args.optimize else model
+
+
+def _int8(model, args: argparse.Namespace, calibration, source: str):
+    """The int8 copy of `model`, calibrated on `calibration` (images from `source`, which is printed)."""
+    if not args.optimize:
+        raise ValueError(
+            "--precision int8 with --no-optimize: int8 is the copy vitkit.optimize makes; drop --no-optimize."
+        )
+    count = sum(len(x) for x in calibration) if isinstance(calibration, list) else len(calibration)
+    print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
+    return optimize(model, "int8", calibration=calibration)
 
 
 def _add_optimize_option(p: argparse.ArgumentParser) -> None:
@@ -238,7 +254,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split; with --fewshot, the paper's
     few-shot linear accuracy of its frozen features instead."""
     from .data import get_dataset
-    from .evaluation import evaluate, fewshot, format_eval
+    from .evaluation import calibration_batches, evaluate, fewshot, format_eval
 
     model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
@@ -257,9 +273,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
-    precision = resolve_precision(args.precision, next(model.parameters()).device)
-    if args.optimize:
-        model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
+    if args.precision == "int8":
+        calibration = calibration_batches(model, get_dataset(args.data, "train", **kwargs), args.calibration_images)
+        model, precision = _int8(model, args, calibration, f"{args.data}'s train split, --calibration-images"), "fp32"
+    else:
+        precision = resolve_precision(args.precision, next(model.parameters()).device)
+        if args.optimize:
+            model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
@@ -288,10 +308,19 @@ def _std(values: list[float]) -> float:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
     from .data import read_image
-    from .evaluation import image_files, input_notes, predict
+    from .evaluation import image_batch, image_files, input_notes, predict
 
-    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
+    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     files = image_files(args.images)
+    if args.precision == "int8":
+        model = _int8(model, args, image_batch(model, files), "the images being predicted")
+    elif args.optimize:
+        model = optimize(model, args.precision)
+    elif args.precision != "auto":
+        raise ValueError(
+            f"--precision {args.precision} with --no-optimize: the precision is the optimized copy's; "
+            "drop --no-optimize."
+        )
     results = predict(model, files, args.top_k, progress=True, strict=args.strict)
     for path, top in zip(files, results):
         if top is None:  # unreadable: warned about, counted below
@@ -491,8 +520,12 @@ def _add_inspect_command(sub) -> None:
     p = sub.add_parser("inspect", help="the paper's analysis figures for a checkpoint, with an HTML report")
     p.add_argument("--checkpoint", required=True, help="model file (any load_checkpoint format) or pretrained name")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--image", nargs="+", metavar="PATH",
-                        help="image files, or directories of them (resized to the model's resolution)")  # fmt: skip
+    source.add_argument(
+        "--image",
+        nargs="+",
+        metavar="PATH",
+        help="image files, or directories of them (resized to the model's resolution)",
+    )
     datasets = _choices("data") or ()
     source.add_argument(
         "--data",
@@ -554,9 +587,15 @@ def _add_eval_command(sub) -> None:
     p.add_argument(
         "--precision",
         default="fp32",
-        choices=PRECISIONS,
-        help="arithmetic of the forward passes: bf16 autocasts matrix products, auto is bf16 where the "
-        "hardware has it (default fp32)",
+        choices=OPTIMIZE_PRECISIONS,
+        help="arithmetic of the forward passes: bf16 autocasts matrix products, auto is bf16 where the hardware has "
+        "it, int8 quantizes (CPU; calibrated on --calibration-images of the train split) (default fp32)",
+    )
+    p.add_argument(
+        "--calibration-images",
+        type=int,
+        default=CALIBRATION_IMAGES,
+        help=f"for --precision int8: images of the train split to calibrate on (default {CALIBRATION_IMAGES})",
     )
     _add_execution_options(p)
     p.add_argument("--fewshot", metavar="K,K,...", help="few-shot linear accuracy with K images per class, e.g. 1,5,10")
@@ -609,6 +648,13 @@ def _add_predict_command(sub) -> None:
     )
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=OPTIMIZE_PRECISIONS,
+        help="of the optimized copy: auto is bf16 where the hardware has it, else fp32; int8 quantizes "
+        "(CPU), calibrated on the images being predicted (default auto)",
+    )
     _add_execution_options(p)
     _add_reading_options(p)
     _add_optimize_option(p)
@@ -627,7 +673,8 @@ def _add_bench_command(sub) -> None:
         nargs="+",
         default=["fp32", "bf16"],
         choices=BENCH_PRECISIONS,
-        help="arithmetic to time (default fp32 bf16; bf16 is slow where the CPU emulates it)",
+        help="arithmetic to time (default fp32 bf16; bf16 is slow where the CPU emulates it; int8 times the "
+        "optimized copy, calibrated on the random images it times)",
     )
     p.add_argument(
         "--mode",

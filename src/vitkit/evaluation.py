@@ -20,6 +20,7 @@ from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset
 from .distributed import World, all_reduce_sum, is_sharded
 from .errors import ImageError, reporting_dead_workers
 from .images import SkipLog, read_image
+from .inference import CALIBRATION_IMAGES
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,34 @@ def evaluate(
         for t in (confusion, top5, loss):
             all_reduce_sum(t, world)
     return EvalResult(confusion.cpu(), int(top5), float(loss))
+
+
+def calibration_batches(
+    model: Model, dataset: LabelledDataset, images: int = CALIBRATION_IMAGES, batch_size: int = 128, seed: int = 0
+) -> list[torch.Tensor]:
+    """`images` images drawn at random (`seed`) from `dataset`, preprocessed as `evaluate` does, in batches: the
+    calibration data of `vitkit.optimize(model, "int8", calibration=...)` (pass the training split)."""
+    if images < 1:
+        raise ValueError(f"images={images}: calibrate on at least one image (a few hundred is typical).")
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:images].tolist()
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    return [
+        eval_batch(x, model.config.image_size, model.config.in_chans)
+        for x, labels in batches(dataset, chunks)
+        if len(labels)
+    ]
+
+
+def image_batch(model: Model, paths: Sequence[str | os.PathLike]) -> torch.Tensor:
+    """The readable images among `paths`, preprocessed as `predict` does, as one (B, C, H, W) batch (the
+    calibration data `vitkit predict --precision int8` uses: the images it predicts)."""
+    images = []
+    for path in paths:
+        with contextlib.suppress(ImageError):  # `predict` reports it, once
+            images.append(eval_batch(read_image(path), model.config.image_size, model.config.in_chans))
+    if not images:
+        raise ValueError("no readable image to calibrate int8 on: give image files that open.")
+    return torch.cat(images)
 
 
 def format_eval(result: EvalResult, classes: list[str] | None) -> str:

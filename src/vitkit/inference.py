@@ -10,7 +10,12 @@ What it does (each step kept where it paid; figures in docs/PERFORMANCE.md):
   (`fp32_library`), one packing per number of rows up to `PACKED_MAX_ROWS`; bf16 (where native) for oneDNN's linear
   (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), with the MLP's GELU fused in (so in oneDNN's fp32
   too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
-- `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU).
+- `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU);
+- int8 (asked for by name only, since it changes the results): PyTorch's PT2E quantization with the x86 inductor
+  quantizer (torchao's): every linear layer's weight int8 per output channel, its input 8-bit per tensor (unsigned,
+  with a zero point) with a scale calibrated on a few batches the caller passes, then `torch.compile` with freezing,
+  which lowers each layer to oneDNN's int8 linear. Fast where the CPU has int8 dot-product instructions (AVX-512
+  VNNI, AVX-VNNI or AMX).
 
 bf16 is only fast where the hardware has it: CUDA GPUs with bf16 units, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere oneDNN emulates it and it is several times slower than fp32: `precision="auto"` then picks fp32,
@@ -30,6 +35,9 @@ from torch import nn
 from . import machine
 from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
+
+OPTIMIZE_PRECISIONS = (*machine.PRECISIONS, "int8")  # int8 for inference only, never chosen by "auto"
+
 
 # fp32: MKL's packed GEMM is packed for one number of rows (`_mkl_linear` falls back to `F.linear` for any other), so
 # each row count gets its own packing, made at its first call. It pays up to a few thousand rows (batch 8 of a
@@ -120,12 +128,19 @@ def packing_pays(precision: str) -> bool:
 
 
 def optimize(
-    model: VisionTransformer, precision: str = "auto", *, pack: bool | None = None, compile: bool = False
+    model: VisionTransformer,
+    precision: str = "auto",
+    *,
+    pack: bool | None = None,
+    compile: bool = False,
+    calibration: torch.Tensor | typing.Iterable | None = None,
 ) -> VisionTransformer:
     """A frozen, inference-ready copy of `model` with the same outputs (fp32: to float rounding; bf16: to bf16
-    rounding), on the model's device.
+    rounding; int8: to int8 quantization), on the model's device.
 
-    `precision`: "fp32", "bf16" (weights cast once), or "auto" (bf16 where the hardware has it, else fp32).
+    `precision`: "fp32", "bf16" (weights cast once), "auto" (bf16 where the hardware has it, else fp32), or
+    "int8" (CPU only; see `quantize_int8`; "auto" never picks it, since it changes the results).
+    `calibration`: for int8 only, images to calibrate the activations' scales on (see `quantize_int8`).
     `pack`: pack linear weights for MKL (fp32) or oneDNN (bf16) (default: where it pays, `packing_pays`). Each
     packing is a copy of the linear weights, made at the first call with a batch size of up to `PACKED_MAX_ROWS`
     rows, at most `MAX_PACKINGS` of them (ViT-B/16: 340 MB each in fp32, 170 MB in bf16; bf16 runs larger batches
@@ -134,6 +149,19 @@ def optimize(
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() takes a model (nn.Module), got {type(model).__name__}.")
+    if precision == "int8":
+        if pack or compile:
+            raise ValueError(
+                "precision='int8' with pack=True or compile=True: int8 is always compiled (freezing "
+                "packs its weights); leave both at their defaults."
+            )
+        # An Int8Model: a VisionTransformer's inference interface (forward, config, class_names)
+        return typing.cast(VisionTransformer, quantize_int8(model, calibration))
+    if calibration is not None:
+        raise ValueError(
+            f"calibration= with precision={precision!r}: only int8 is calibrated; pass "
+            "precision='int8', or leave calibration out."
+        )
     device = next(model.parameters()).device
     precision = machine.resolve_precision(precision, device)
     if precision == "bf16" and not machine.bf16_is_native(device):
@@ -178,3 +206,117 @@ def _replace_linears(module: nn.Module) -> None:
             setattr(module, name, PackedLinear(child))
         else:
             _replace_linears(child)
+
+
+CALIBRATION_BATCH = 64  # images per forward pass when `calibration` is one tensor
+CALIBRATION_IMAGES = 512  # what the CLI calibrates on by default: a few batches
+
+
+def _calibration_batches(calibration: torch.Tensor | typing.Iterable | None) -> list[torch.Tensor]:
+    """The calibration images as a list of (B, C, H, W) batches; an iterable may yield (images, labels) pairs."""
+    if calibration is None:
+        raise ValueError(
+            "precision='int8' needs calibration=: a few batches of typical input images (a (B, C, "
+            "H, W) tensor, or an iterable of them such as a DataLoader), to set the activations' "
+            "scales."
+        )
+    if isinstance(calibration, torch.Tensor):
+        calibration = calibration.split(CALIBRATION_BATCH) if calibration.dim() == 4 else [calibration]
+    batches = []
+    for item in calibration:
+        images = item[0] if isinstance(item, (tuple, list)) else item
+        if not isinstance(images, torch.Tensor) or images.dim() != 4:
+            got = f"shape {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
+            raise ValueError(f"calibration: got {got}; give image batches (B, C, H, W), as the model takes them.")
+        batches.append(images)
+    if not batches:
+        raise ValueError("calibration= is empty: give at least one batch of images (a few hundred images is typical).")
+    return batches
+
+
+class Int8Model(nn.Module):
+    """The int8 copy `quantize_int8` makes, with the model's inference interface: images in, logits out (fp32),
+    and the model's `config` and `class_names`. Inference only: it cannot be trained."""
+
+    def __init__(self, program: nn.Module, model: VisionTransformer):
+        super().__init__()
+        self.program = program  # the quantized graph, compiled
+        self.config, self.class_names = model.config, getattr(model, "class_names", None)
+        self.training = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Freezing (weights as constants) is what lets inductor swap in oneDNN's int8 linears; it must be set in the
+        # global config when a shape compiles, which `torch.compile(options=...)` does not reach for these passes.
+        with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="To copy construct from a tensor")  # inductor's, compiling
+            return self.program(x)
+
+    def train(self, mode: bool = True) -> Int8Model:
+        """eval() (a no-op: the graph was put in eval mode when quantized, and an exported graph refuses the
+        call); train() is refused."""
+        if mode:
+            raise ValueError("an int8 copy is for inference only: train the fp32 model, then quantize it again.")
+        self.training = False
+        return self
+
+
+def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.Iterable | None) -> Int8Model:
+    """An int8 copy of `model` for CPU inference, by PyTorch's PT2E flow with the x86 inductor quantizer: every
+    linear layer's weight int8 per output channel (symmetric), its input 8-bit per tensor (unsigned, with a zero
+    point), with scales observed
+    on `calibration` (a (B, C, H, W) tensor, or an iterable of such batches or of (images, labels) pairs, such as
+    a DataLoader; a few hundred typical images), then compiled with freezing, so that each layer runs as
+    oneDNN's int8 linear. Warns where the CPU has no fast int8 path (`machine.int8_fast_path_missing`)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(
+            f"precision='int8' runs on CPUs only; the model is on {device}: move it with .cpu(), or "
+            "use precision='bf16' on this device."
+        )
+    if not machine.compiler_present(device):
+        raise ValueError(
+            "precision='int8' needs torch.compile's C++ compiler (a C++ compiler and Python's headers, "
+            "python3-dev), which lowers the quantized graph to oneDNN's int8 kernels."
+        )
+    try:
+        import torchao.quantization.pt2e as pt2e
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+    except ImportError:
+        raise ValueError("precision='int8' needs torchao (pip install torchao, or vitkit[int8]).") from None
+    batches = _calibration_batches(calibration)
+    missing = machine.int8_fast_path_missing()
+    if missing:
+        warnings.warn(
+            f"this CPU has no {missing}, oneDNN's fast int8 path: int8 may run no faster than fp32 "
+            "here. precision='auto' gives the fastest copy with the model's own results.",
+            stacklevel=3,
+        )
+    plain = copy.deepcopy(model).eval().requires_grad_(False)
+    _plain_nn_linears(plain)
+    example = batches[0][:2].to(device=device, dtype=torch.float32)
+    if len(example) < 2:  # export needs two images to keep the batch axis a variable
+        example = example.expand(2, *example.shape[1:])
+    batch = torch.export.Dim("batch", min=1)
+    graph = torch.export.export(plain, (example,), dynamic_shapes=({0: batch},)).module()
+    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    observed = prepare_pt2e(graph, quantizer)
+    with torch.no_grad():
+        for images in batches:
+            observed(images.to(device=device, dtype=torch.float32))
+    quantized = convert_pt2e(observed)
+    pt2e.move_exported_model_to_eval(quantized)
+    program = torch.compile(quantized)  # the first call of each shape compiles (twice at most: then dynamic)
+    return Int8Model(typing.cast(nn.Module, program), model)
+
+
+def _plain_nn_linears(module: nn.Module) -> None:
+    """Every `kernels.Linear` -> nn.Linear with the same parameters: the quantizer finds linear layers by their
+    module type, and `kernels.Linear` is a subclass it does not know."""
+    for name, child in module.named_children():
+        if type(child) is Linear:
+            linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            linear.weight, linear.bias = child.weight, child.bias
+            setattr(module, name, linear)
+        else:
+            _plain_nn_linears(child)

@@ -92,6 +92,15 @@ def bf16_is_native(device: torch.device | str = "cpu") -> bool:
     return False
 
 
+def int8_fast_path_missing() -> str | None:
+    """What this CPU lacks for fast int8 matrix products, or None where it has them: oneDNN's int8 GEMMs multiply
+    with VNNI (AVX-512 VNNI, AVX-VNNI) or AMX dot-product instructions; without them int8 has no fast path."""
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if any(capabilities.get(name) for name in ("avx512_vnni", "avx_vnni", "amx_int8")):
+        return None
+    return "int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX)"
+
+
 def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
     """ "auto" -> "bf16" where it is native on `device`, else "fp32"; "fp32" and "bf16" stay as they are."""
     if precision not in PRECISIONS:

@@ -285,7 +285,9 @@ class EncoderBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`queries`: compute the outputs of the first `queries` tokens only (B, queries, D); None: all."""
         y, probs = self.attn(self.norm1(x), bias, need_weights, queries)
-        x = x[:, :queries] + self.drop_path1(self.ls1(self.drop(y)))  # z' = MSA(LN(z)) + z   (2)
+        # The residual's rows as a tensor of their own: inductor's int8 linear (vitkit.optimize's int8), fused with
+        # this add, misreads a strided addend (B, queries, D) cut from (B, N, D); the copy is B x D numbers.
+        x = x[:, :queries].contiguous() + self.drop_path1(self.ls1(self.drop(y)))  # z' = MSA(LN(z)) + z   (2)
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))  # z = MLP(LN(z')) + z'    (3)
         return x, probs
 

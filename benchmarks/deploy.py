@@ -1,0 +1,86 @@
+"""vitkit.optimize (fp32, bf16, int8) beside ONNX Runtime and OpenVINO on the same weights, side by side in
+interleaved rounds, written as a JSON record (machine, versions, date, commit, command, every round).
+
+    python benchmarks/deploy.py [--model ViT-S/16] [--batch 1 8] [--rounds 5] [--threads 2] [--out FILE]
+
+The runtimes read the graph `vitkit.export` writes (a dynamic batch axis; `vitkit.benchmark.runtime_runners`: fp32
+in both, OpenVINO's bf16 where its default precision is bf16). Each copy's logits are compared with the fp32
+model's before timing and the largest difference recorded. int8 is calibrated on 64 random images (speed only: its
+accuracy is measured on a trained model, see the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+import vitkit
+from vitkit.benchmark import interleaved, record_header, runtime_runners, runtime_versions, write_record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="ViT-S/16")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--min-seconds", type=float, default=2.0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = vitkit.create_model(args.model).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.02)  # a new model's head is zero: its logits would all be 0
+    size = model.config.image_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        copies = {
+            "vitkit fp32": vitkit.optimize(model, "fp32"),
+            "vitkit bf16": vitkit.optimize(model, "bf16"),
+            "vitkit int8": vitkit.optimize(model, "int8", calibration=torch.randn(64, 3, *size)),
+        }
+    result = {
+        **record_header("deploy"),
+        "model": args.model,
+        "versions": runtime_versions(),
+        "settings": {"rounds": args.rounds, "threads": args.threads, "min_seconds": args.min_seconds},
+        "load_average_before": os.getloadavg(),  # other work on the machine: the rounds are interleaved against it
+        "cells": [],
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.onnx"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's own notes
+            vitkit.export(model, path)
+        others = {}
+        for precision in ("fp32", "bf16"):
+            runners, _ = runtime_runners(path, precision, args.threads)
+            others |= {f"{name} {precision}": run for name, run in runners.items()}
+        for batch in args.batch:
+            x = torch.randn(batch, 3, *size)
+            with torch.no_grad():
+                reference = model(x)
+                array = x.numpy()
+                calls = {name: (lambda m=m, x=x: m(x)) for name, m in copies.items()}
+                calls |= {name: (lambda f=f, a=array: torch.as_tensor(f(a))) for name, f in others.items()}
+                errors = {name: (call().float() - reference).abs().max().item() for name, call in calls.items()}
+                seconds = interleaved(calls, args.rounds, args.min_seconds)
+            for name, times in seconds.items():
+                rates = [batch / t for t in times]
+                cell = {"batch": batch, "copy": name, "images_per_s": statistics.median(rates), "rounds": rates}
+                cell["max_error_relative"] = errors[name] / reference.abs().max().item()
+                result["cells"].append(cell)
+                print(f"batch {batch:>3}  {name:<18} {cell['images_per_s']:8.1f} img/s", flush=True)
+    result["load_average_after"] = os.getloadavg()
+    if args.out:
+        print(f"wrote {write_record(args.out, result)}")
+
+
+if __name__ == "__main__":
+    main()
