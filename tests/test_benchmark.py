@@ -201,7 +201,8 @@ def test_the_comparison_script_writes_a_record_with_the_machine_every_round_and_
         rounds = row["rounds"]
         assert all(len(v) == 3 for v in rounds.values()) and "HF" in rounds and "vitkit" in rounds
         assert ("ONNX Runtime" in rounds and "OpenVINO" in rounds) == (row["kind"] == "inference")
-        assert max(row["ratio_to_fastest"].values()) == 1.0
+        fastest = max(row["images_per_s"], key=row["images_per_s"].get)  # the median of rounds' ratios: >1 may be
+        assert row["ratio_to_fastest"][fastest] == 1.0  # another contender's, the fastest's own is 1
         assert row["images_per_s"] == {k: statistics.median(v) for k, v in rounds.items()}
         peers = {k: v for k, v in row["images_per_s"].items() if not k.startswith("vitkit")}
         assert row["best_peer"] == max(peers, key=peers.get)

@@ -181,22 +181,25 @@ def on_a_terminal(*args: str) -> bytes:
     import struct
     import termios
 
-    env = subprocess_env()
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: stdout and stderr are the terminal
-        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-        os.execve(sys.executable, [sys.executable, "-m", "vitkit", *args], env)
+    # The child is started by subprocess (no Python code runs between fork and exec), not pty.fork: a fork of this
+    # process, whose libraries run threads of their own, must exec at once.
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "vitkit", *args], stdin=terminal, stdout=terminal, stderr=terminal, env=subprocess_env()
+    )
+    os.close(terminal)
     seen = b""
     while True:
         try:
-            chunk = os.read(fd, 4096)
-        except OSError:
+            chunk = os.read(master, 4096)
+        except OSError:  # the terminal is closed: the child has exited
             break
         if not chunk:
             break
         seen += chunk
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, seen.decode(errors="replace")[-2000:]
+    os.close(master)
+    assert child.wait() == 0, seen.decode(errors="replace")[-2000:]
     return seen
 
 
