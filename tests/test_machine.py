@@ -42,8 +42,7 @@ def test_compiler_present_is_false_without_a_cxx_compiler_or_pythons_headers(mon
     cpu = torch.device("cpu")
     if not machine.compiler_present(cpu):
         pytest.skip("needs a C++ compiler and Python's headers (python3-dev), so that removing one is seen")
-    with monkeypatch.context() as patch:
-        patch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # torch's own override: monkeypatch's undo would delete it
         assert machine.compiler_present(cpu) is False
     real = sysconfig.get_path
     monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(tmp_path) if name == "include" else real(name))
