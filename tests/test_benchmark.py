@@ -3,7 +3,6 @@ import re
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from helpers import SRC, perturbed, subprocess_env, tiny
 from vitkit import inference as opt
 from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, ratios_to_fastest
 from vitkit.cli import main
-from vitkit.machine import CPU_FLAGS, describe
+from vitkit.machine import describe
 
 BENCHMARKS = SRC.parent / "benchmarks"
 
@@ -118,20 +117,6 @@ def test_largest_batch_follows_the_line_through_the_measured_peaks():
     ]
     (fit,) = largest_batches(rows, budget_gb=1)
     assert fit["largest_batch"] == (1024 - 100) // 10 and fit["per_image_mb"] == pytest.approx(10)
-
-
-def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them():
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        pytest.skip("needs Linux's /proc/cpuinfo")
-    if "cpu family" not in first:
-        pytest.skip("needs an x86 /proc/cpuinfo (cpu family, model)")
-    fields = {line.split(":")[0].strip(): line.split(":")[-1].strip() for line in first.splitlines()}
-    info = describe()
-    assert info["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
-    assert (info["family"], info["model"]) == (int(fields["cpu family"]), int(fields["model"]))
-    assert info["flags"] == [f for f in CPU_FLAGS if f in fields["flags"].split()]
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:

@@ -21,9 +21,10 @@ def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them
     if "cpu family" not in first:
         pytest.skip("needs an x86 /proc/cpuinfo (cpu family, model)")
     fields = {line.split(":")[0].strip(): line.split(":")[-1].strip() for line in first.splitlines()}
-    assert (
-        machine.describe()["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
-    )
+    info = machine.describe()
+    assert info["cpu"] == f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+    assert (info["family"], info["model"]) == (int(fields["cpu family"]), int(fields["model"]))
+    assert info["flags"] == [f for f in machine.CPU_FLAGS if f in fields["flags"].split()]
 
 
 def test_auto_precision_picks_bf16_only_where_it_is_native(monkeypatch):
