@@ -6,7 +6,9 @@ so that noise from other work on the machine hits all of them alike; the ratios 
 best peer: the median of the two's ratios within each round, which cancels the machine's drift between rounds).
 Contenders:
 
-- vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (bf16: weights cast once);
+- vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (which runs the model in
+  OpenVINO where `vitkit.inference.openvino_pays`, else with vitkit's own kernels, bf16 weights cast once); where it
+  chose OpenVINO, also `optimize(..., runtime="torch")` ("vitkit torch kernels"), so that both paths are on record;
 - timm: eager (bf16: autocast), and its best CPU option, `torch.utils.mkldnn.to_mkldnn` or `torch.compile`
   (both measured, the faster one kept per cell);
 - Hugging Face `ViTForImageClassification` (SDPA attention; bf16: autocast);
@@ -135,9 +137,11 @@ def contenders(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # emulated bf16 is measured all the same; the header says it is
         fast = vitkit.optimize(vit, precision)
+        own = fast if isinstance(fast, vitkit.VisionTransformer) else vitkit.optimize(vit, precision, runtime="torch")
     runs = {
         "vitkit": inference_runner(vit, x, bf16),
         "vitkit optimized": inference_runner(fast, x, False),
+        **({"vitkit torch kernels": inference_runner(own, x, False)} if own is not fast else {}),
         "timm": inference_runner(timm, x, bf16),
         "HF": inference_runner(hf, x, bf16),
     }
@@ -188,7 +192,15 @@ def summarise(cell: dict) -> dict:
 def table(rows: list[dict]) -> str:
     """Markdown: median images/s of each contender with its ratio to the fastest one of the row, and vitkit's best
     over the best peer."""
-    columns = ["vitkit", "vitkit optimized", "timm", "timm best CPU option", "HF", *RUNTIMES.values()]
+    columns = [
+        "vitkit",
+        "vitkit optimized",
+        "vitkit torch kernels",
+        "timm",
+        "timm best CPU option",
+        "HF",
+        *RUNTIMES.values(),
+    ]
     lines = [
         "| model | batch | precision | kind | " + " | ".join(columns) + " | vitkit / best peer |",
         "|" + "---|" * (len(columns) + 5),
@@ -278,6 +290,9 @@ def main() -> None:
                         runs = {k: v for k, v in runs.items() if k not in args.skip}
                         rounds = args.rounds_large if batch >= 64 else args.rounds
                         cell = {"model": name, "batch": batch, "precision": precision, "kind": kind}
+                        if inference:  # what ran `vitkit.optimize`'s copy (its default, `runtime="auto"`)
+                            pays = vitkit.inference.openvino_pays(precision, torch.device("cpu"))
+                            cell["optimized_runtime"] = "openvino" if pays else "torch"
                         result["rows"].append(
                             summarise({**cell, "rounds": measure(runs, rounds, args.min_seconds, batch)})
                         )

@@ -36,7 +36,7 @@ def small_model(**overrides) -> vitkit.VisionTransformer:
 def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
     model = small_model(**overrides)
     x = torch.randn(3, 3, 32, 32)
-    fast = optimize(model, "fp32")
+    fast = optimize(model, "fp32", runtime="torch")
     assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_pays("fp32")
     # The packed copy whether or not this CPU packs by default, so both paths are checked on every machine.
     copies = [fast, optimize(model, "fp32", pack=True)] if opt.packing_available("fp32") else [fast]
@@ -81,7 +81,7 @@ def test_bf16_fast_path_is_within_bf16_rounding_of_the_plain_model():
     model = small_model()
     x = torch.randn(4, 3, 32, 32)
     with pytest.warns(UserWarning, match="emulated") if not machine.bf16_is_native() else contextlib.nullcontext():
-        fast = optimize(model, "bf16")
+        fast = optimize(model, "bf16", runtime="torch")
     assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
     assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_pays("bf16")
     with torch.no_grad():
@@ -108,7 +108,7 @@ def test_bf16_fast_path_is_within_bf16_rounding_of_the_plain_model():
 def test_optimize_leaves_the_original_model_untouched():
     model = small_model().train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fast = optimize(model, "fp32")
+    fast = optimize(model, "fp32", runtime="torch")
     assert model.training and all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not fast.training and not any(p.requires_grad for p in fast.parameters())
@@ -271,6 +271,128 @@ def test_compiling_on_a_cpu_silences_torchs_no_cuda_runtime_warning_and_nothing_
         assert "No CUDA runtime" not in caplog.text and "another warning of the extension builder" in caplog.text
     finally:
         logger.removeFilter(machine.CUDA_NOTE_FILTER)
+
+
+# --- OpenVINO -------------------------------------------------------------------------------------------------
+
+
+def needs_openvino() -> None:
+    pytest.importorskip("openvino", reason="the OpenVINO copy needs the optional openvino (vitkit[openvino])")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"classifier": "gap"}, {"posemb": "relative"}, {"posemb": "sincos2d"}, {"representation_size": 16}],
+    ids=["token", "gap", "relative", "sincos2d", "pre_logits"],
+)
+def test_openvino_copy_gives_the_models_logits_at_any_batch_size(overrides):
+    """fp32: the model's logits to 1e-5 of their scale (the same arithmetic in another order), at batch sizes other
+    than the two images the conversion traced."""
+    needs_openvino()
+    model = small_model(**overrides)
+    fast = optimize(model, "fp32", runtime="openvino")
+    assert isinstance(fast, opt.OpenVINOModel) and fast.config == model.config and "OpenVINO fp32" in repr(fast)
+    with torch.no_grad():
+        for batch in (1, 5):
+            x = torch.randn(batch, 3, 32, 32)
+            want = model(x)
+            got = fast(x)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ViT-B/16", "R50+ViT-B/16"])
+def test_openvino_copy_of_the_paper_variants_and_the_hybrid_gives_their_logits(name):
+    needs_openvino()
+    model = vitkit.create_model(name, image_size=64, num_classes=10).eval()
+    torch.nn.init.trunc_normal_(model.head.weight, std=0.02)  # the official init zeroes the head
+    fast = optimize(model, "fp32", runtime="openvino")
+    x = torch.randn(3, 3, 64, 64)
+    with torch.no_grad():
+        want = model(x)
+    assert (fast(x) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_openvino_bf16_copy_is_within_bf16_rounding_of_the_model():
+    needs_openvino()
+    if not machine.bf16_is_native():
+        with pytest.raises(ValueError, match="native bf16"):
+            optimize(small_model(), "bf16", runtime="openvino")
+        return
+    model = small_model()
+    x = torch.randn(4, 3, 32, 32)
+    fast = optimize(model, "bf16", runtime="openvino")
+    with torch.no_grad():
+        want = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(x).float()
+    error = (fast(x) - want).abs().max()
+    assert 0 < error <= 0.03 * want.abs().max()  # rounded (so bf16 really ran), within a few percent of the scale
+    assert error <= 2 * (autocast - want).abs().max() + 0.01 * want.abs().max()
+
+
+def test_auto_runs_openvino_exactly_where_it_pays_and_never_with_torchs_options(monkeypatch):
+    needs_openvino()
+    model = small_model()
+    for pays in (True, False):
+        monkeypatch.setattr(opt, "openvino_pays", lambda precision, device, pays=pays: pays)
+        assert isinstance(optimize(model, "fp32"), opt.OpenVINOModel) == pays
+    monkeypatch.setattr(opt, "openvino_pays", lambda precision, device: True)
+    assert isinstance(optimize(model, "fp32", pack=False), vitkit.VisionTransformer)
+    assert isinstance(optimize(model, "fp32", runtime="torch"), vitkit.VisionTransformer)
+
+
+def test_openvino_pays_on_x86_cpus_where_it_is_installed_in_native_precisions(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(opt, "openvino_available", lambda: True)
+    monkeypatch.setattr(machine, "x86", lambda: True)
+    for native in (True, False):
+        monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
+        assert opt.openvino_pays("fp32", cpu) and opt.openvino_pays("bf16", cpu) == native
+    assert not opt.openvino_pays("fp32", torch.device("cuda"))
+    monkeypatch.setattr(machine, "x86", lambda: False)
+    assert not opt.openvino_pays("fp32", cpu)
+    monkeypatch.setattr(machine, "x86", lambda: True)
+    monkeypatch.setattr(opt, "openvino_available", lambda: False)
+    assert not opt.openvino_pays("fp32", cpu)
+
+
+def test_auto_falls_back_to_vitkits_kernels_with_a_warning_when_openvino_fails(monkeypatch):
+    needs_openvino()
+    monkeypatch.setattr(opt, "openvino_pays", lambda precision, device: True)
+    monkeypatch.setattr(opt, "OPENVINO_TOLERANCE", {"fp32": -1.0, "bf16": -1.0})  # no logits can pass
+    with pytest.warns(UserWarning, match="logits differ from the model's .* vitkit's own kernels run it instead"):
+        fast = optimize(small_model(), "fp32")
+    assert isinstance(fast, vitkit.VisionTransformer)
+    with pytest.raises(ValueError, match="logits differ from the model's"):  # asked for by name: refused
+        optimize(small_model(), "fp32", runtime="openvino")
+
+
+def test_openvino_refusals_name_the_fix(monkeypatch):
+    model = small_model()
+    with pytest.raises(ValueError, match="runtime='onnx': choose from auto, torch, openvino"):
+        optimize(model, runtime="onnx")
+    with pytest.raises(ValueError, match="precision='int8' with runtime='openvino'"):
+        optimize(model, "int8", runtime="openvino", calibration=torch.randn(2, 3, 32, 32))
+    with pytest.raises(ValueError, match="those are torch's"):
+        optimize(model, "fp32", runtime="openvino", pack=True)
+    monkeypatch.setattr(opt, "openvino_available", lambda: False)
+    with pytest.raises(ValueError, match="pip install openvino"):
+        optimize(model, "fp32", runtime="openvino")
+
+
+def test_openvino_copy_keeps_what_the_checkpoint_records_and_is_for_inference_on_the_cpu_only():
+    needs_openvino()
+    model = small_model()
+    model.class_names, model.trained_on = [f"c{i}" for i in range(10)], {"data": "shapes", "grayscale": False}
+    fast = optimize(model, "fp32", runtime="openvino")
+    assert (fast.class_names, fast.trained_on) == (model.class_names, model.trained_on)
+    assert fast.eval() is fast and not fast.training
+    with pytest.raises(ValueError, match="inference only"):
+        fast.train()
+    with pytest.raises(ValueError, match="on the CPU"):
+        fast(torch.randn(1, 3, 32, 32, device="meta"))
 
 
 # --- int8 -----------------------------------------------------------------------------------------------------

@@ -76,3 +76,22 @@ def test_retained_freed_memory_is_not_faulted_in_again_at_every_step():
     before, after = map(int, out.stdout.split())
     pages = 4 * 20 * (4 << 20) // 4096  # the pages the last four rounds write (by default glibc faults them in
     assert before > pages / 8 and after < pages / 20, (before, after, pages)  # again in one round to all four)
+
+
+def test_importing_torchao_quietly_drops_only_torchs_enum_registration_note():
+    import logging
+
+    logger = logging.getLogger("torch.utils._pytree")
+    note = "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an opaque"
+
+    def record(message: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None)
+
+    machine.import_torchao_quietly()
+    machine.import_torchao_quietly()
+    try:
+        assert logger.filters.count(machine.ENUM_NOTE_FILTER) == 1
+        assert not logger.filter(record(note))
+        assert logger.filter(record("some other pytree warning"))
+    finally:
+        logger.removeFilter(machine.ENUM_NOTE_FILTER)

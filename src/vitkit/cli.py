@@ -20,7 +20,7 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError, from_command
-from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, optimize
+from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, RUNTIMES, optimize
 from .machine import resolve_precision, retain_freed_memory
 from .model import VisionTransformer
 from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, counting, field_help, field_types
@@ -129,8 +129,9 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
 
 
 def _for_inference(model, args: argparse.Namespace):
-    """The model as `vitkit.optimize` makes it (fp32, or bf16 where native), unless --no-optimize."""
-    return optimize(model) if args.optimize else model
+    """The model as `vitkit.optimize` makes it with vitkit's own kernels (fp32, or bf16 where native), unless
+    --no-optimize: the analysis reads the model's intermediates, which a runtime's copy does not expose."""
+    return optimize(model, runtime="torch") if args.optimize else model
 
 
 def _int8(model, args: argparse.Namespace, calibration, source: str):
@@ -139,18 +140,35 @@ def _int8(model, args: argparse.Namespace, calibration, source: str):
         raise ValueError(
             "--precision int8 with --no-optimize: int8 is the copy vitkit.optimize makes; drop --no-optimize."
         )
+    if args.runtime == "openvino":
+        raise ValueError("--precision int8 with --runtime openvino: vitkit's int8 copy runs in torch; drop --runtime.")
     count = sum(len(x) for x in calibration) if isinstance(calibration, list) else len(calibration)
     print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
     return optimize(model, "int8", calibration=calibration)
 
 
-def _add_optimize_option(p: argparse.ArgumentParser) -> None:
+def _runtime_needs_optimize(args: argparse.Namespace) -> None:
+    if args.runtime != "auto" and not args.optimize:
+        raise ValueError(
+            f"--runtime {args.runtime} with --no-optimize: the runtime runs the optimized copy; drop one of them."
+        )
+
+
+def _add_optimize_option(p: argparse.ArgumentParser, runtime: bool = False) -> None:
     p.add_argument(
         "--no-optimize",
         dest="optimize",
         action="store_false",
         help="run the model as loaded, not the copy vitkit.optimize makes",
     )
+    if runtime:
+        p.add_argument(
+            "--runtime",
+            default="auto",
+            choices=RUNTIMES,
+            help="what runs the optimized copy: torch (vitkit's own kernels), openvino (CPU; pip install openvino), "
+            "or auto: OpenVINO where it is installed on an x86 CPU, else torch (default auto)",
+        )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -273,13 +291,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
+    _runtime_needs_optimize(args)
     if args.precision == "int8":
         calibration = calibration_batches(model, get_dataset(args.data, "train", **kwargs), args.calibration_images)
         model, precision = _int8(model, args, calibration, f"{args.data}'s train split, --calibration-images"), "fp32"
     else:
         precision = resolve_precision(args.precision, next(model.parameters()).device)
         if args.optimize:
-            model, precision = optimize(model, precision), "fp32"  # a bf16 copy needs no autocast
+            model, precision = optimize(model, precision, runtime=args.runtime), "fp32"  # a bf16 copy: no autocast
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
@@ -312,10 +331,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     files = image_files(args.images)
+    _runtime_needs_optimize(args)
     if args.precision == "int8":
         model = _int8(model, args, image_batch(model, files), "the images being predicted")
     elif args.optimize:
-        model = optimize(model, args.precision)
+        model = optimize(model, args.precision, runtime=args.runtime)
     elif args.precision != "auto":
         raise ValueError(
             f"--precision {args.precision} with --no-optimize: the precision is the optimized copy's; "
@@ -603,7 +623,7 @@ def _add_eval_command(sub) -> None:
     p.add_argument("--l2", type=float, default=1.0, help="ridge regularisation of the few-shot fit (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the few-shot draws (default 0)")
     _add_reading_options(p)
-    _add_optimize_option(p)
+    _add_optimize_option(p, runtime=True)
     p.set_defaults(func=cmd_eval)
 
 
@@ -657,7 +677,7 @@ def _add_predict_command(sub) -> None:
     )
     _add_execution_options(p)
     _add_reading_options(p)
-    _add_optimize_option(p)
+    _add_optimize_option(p, runtime=True)
     p.set_defaults(func=cmd_predict)
 
 

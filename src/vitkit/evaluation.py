@@ -52,6 +52,12 @@ class EvalResult:
         return (self.confusion.diagonal().float() / self.confusion.sum(1).clamp(min=1)).tolist()
 
 
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: its parameters' device; the CPU for a copy held by a runtime (no parameters)."""
+    parameter = next(model.parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast on CPU or GPU, or nothing for fp32."""
     if precision == "bf16":
@@ -110,7 +116,7 @@ def evaluate(
     bar on a terminal (none in a log)."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: evaluate at least one image per batch (e.g. 1000).")
-    device = next(model.parameters()).device
+    device = device_of(model)
     rank, size = (world.rank, world.size) if world else (0, 1)
     indices = list(range(rank, len(dataset), size))
     k = model.config.num_classes
@@ -231,7 +237,7 @@ def predict(
     if k < 1:
         raise ValueError(f"k={k}: ask for at least the top class (k >= 1).")
     model.eval()
-    device = next(model.parameters()).device
+    device = device_of(model)
     names = model.class_names or [str(i) for i in range(model.config.num_classes)]
     skipped = SkipLog()
     out: list[list[tuple[str, float]] | None] = []
@@ -280,7 +286,7 @@ def features(
 ) -> torch.Tensor:
     """The frozen representation the head sees (the ViT's pre-logits, the ResNet's pooled features), (n, D).
     `progress` shows a bar named `desc` on a terminal (none in a log)."""
-    device = next(model.parameters()).device
+    device = device_of(model)
     was_training = model.training
     model.eval()
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]

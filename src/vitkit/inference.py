@@ -11,6 +11,9 @@ What it does (each step kept where it paid; figures in docs/PERFORMANCE.md):
   (`torch.ops.mkldnn._linear_pointwise`, inductor's bf16 kernel), with the MLP's GELU fused in (so in oneDNN's fp32
   too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU);
+- OpenVINO (`runtime="openvino"`, and by default where `openvino_pays`): the model converted by OpenVINO's PyTorch
+  frontend and compiled by its CPU plugin in fp32 or bf16, behind the same interface (`OpenVINOModel`); its logits
+  are checked against the model's own before it is returned;
 - int8 (asked for by name only, since it changes the results): PyTorch's PT2E quantization with the x86 inductor
   quantizer (torchao's): every linear layer's weight int8 per output channel, its input 8-bit per tensor (unsigned,
   with a zero point) with a scale calibrated on a few batches the caller passes, then `torch.compile` with freezing,
@@ -37,6 +40,7 @@ from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
 
 OPTIMIZE_PRECISIONS = (*machine.PRECISIONS, "int8")  # int8 for inference only, never chosen by "auto"
+RUNTIMES = ("auto", "torch", "openvino")  # what runs the optimized copy: see `optimize`
 
 
 # fp32: MKL's packed GEMM is packed for one number of rows (`_mkl_linear` falls back to `F.linear` for any other), so
@@ -127,10 +131,28 @@ def packing_pays(precision: str) -> bool:
     return packing_available(precision) and (precision == "bf16" or machine.avx512())
 
 
+def openvino_available() -> bool:
+    """Whether OpenVINO is installed (the optional extra `vitkit[openvino]`)."""
+    try:
+        import openvino  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def openvino_pays(precision: str, device: torch.device) -> bool:
+    """Whether `optimize` runs the model in OpenVINO by default: on an x86 CPU where OpenVINO is installed, in fp32
+    and in bf16 where bf16 is native. Its CPU plugin fuses each attention into one kernel and picks its GEMM per
+    layer; it ran ViTs faster than vitkit's own kernels on every x86 CPU measured (docs/PERFORMANCE.md)."""
+    native = precision == "fp32" or (precision == "bf16" and machine.bf16_is_native("cpu"))
+    return device.type == "cpu" and machine.x86() and native and openvino_available()
+
+
 def optimize(
     model: VisionTransformer,
     precision: str = "auto",
     *,
+    runtime: str = "auto",
     pack: bool | None = None,
     compile: bool = False,
     calibration: torch.Tensor | typing.Iterable | None = None,
@@ -146,10 +168,17 @@ def optimize(
     rows, at most `MAX_PACKINGS` of them (ViT-B/16: 340 MB each in fp32, 170 MB in bf16; bf16 runs larger batches
     with the packing for 1 row).
     `compile`: torch.compile the result (slow to start; for long runs).
+    `runtime`: "torch" (vitkit's own kernels, as above), "openvino" (an `OpenVINOModel`: the model converted and
+    compiled by OpenVINO, CPU only, fp32 or bf16) or "auto": OpenVINO where `openvino_pays`, unless `pack` or
+    `compile` is given; if the conversion fails or its logits differ, with a warning, vitkit's own kernels.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() takes a model (nn.Module), got {type(model).__name__}.")
     if precision == "int8":
+        if runtime == "openvino":
+            raise ValueError(
+                "precision='int8' with runtime='openvino': int8 runs in torch (PT2E); leave runtime at 'auto'."
+            )
         if pack or compile:
             raise ValueError(
                 "precision='int8' with pack=True or compile=True: int8 is always compiled (freezing "
@@ -162,8 +191,13 @@ def optimize(
             f"calibration= with precision={precision!r}: only int8 is calibrated; pass "
             "precision='int8', or leave calibration out."
         )
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime={runtime!r}: choose from {', '.join(RUNTIMES)}.")
     device = next(model.parameters()).device
     precision = machine.resolve_precision(precision, device)
+    torch_asked = pack is not None or compile  # options of vitkit's own kernels
+    if runtime == "openvino" or (runtime == "auto" and not torch_asked and openvino_pays(precision, device)):
+        return typing.cast(VisionTransformer, _in_openvino(model, precision, runtime == "openvino", pack, compile))
     if precision == "bf16" and not machine.bf16_is_native(device):
         warnings.warn(
             f"bf16 is emulated on this {device.type} (no native bf16 instructions): it runs slower than fp32 here. "
@@ -188,6 +222,113 @@ def optimize(
         machine.compile_quietly_on(device)
         # An OptimizedModule: it forwards attribute access (config, class_names) to the model it wraps.
         fast = typing.cast(VisionTransformer, torch.compile(fast, dynamic=False, options={"freezing": True}))
+    return fast
+
+
+# The largest difference of the OpenVINO copy's logits from the model's own, relative to their largest magnitude,
+# that `optimize` accepts: fp32 is the same arithmetic in another order; bf16 rounds every product's inputs.
+OPENVINO_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+class InferenceCopy(nn.Module):
+    """A copy of a model that another engine runs (an int8 graph, OpenVINO), with the model's inference interface:
+    images in, logits out, and the model's `config`, `class_names` and `trained_on`. Inference only."""
+
+    what = "this copy"
+
+    def __init__(self, model: VisionTransformer):
+        super().__init__()
+        self.config = model.config
+        self.class_names = getattr(model, "class_names", None)
+        self.trained_on = getattr(model, "trained_on", None)
+        self.training = False
+
+    def train(self, mode: bool = True) -> InferenceCopy:
+        """eval() (a no-op: the copy was made for inference, and a runtime's graph has no training mode); train()
+        is refused."""
+        if mode:
+            raise ValueError(f"{self.what} is for inference only: train the model, then optimize it again.")
+        self.training = False
+        return self
+
+
+class OpenVINOModel(InferenceCopy):
+    """The copy `optimize` makes with runtime="openvino": the model as OpenVINO's CPU plugin runs it, with the
+    model's inference interface (`InferenceCopy`): images in (a float tensor on the CPU), fp32 logits out. One call
+    at a time (it holds one inference request)."""
+
+    runtime = "openvino"
+    what = "the OpenVINO copy"
+
+    def __init__(self, compiled: typing.Any, model: VisionTransformer, precision: str):
+        super().__init__(model)
+        self.compiled, self.request = compiled, compiled.create_infer_request()
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise ValueError(f"the OpenVINO copy runs on the CPU; the images are on {x.device}: pass them with .cpu().")
+        array = x.detach().to(torch.float32).contiguous().numpy()
+        return torch.from_numpy(self.request.infer([array], share_inputs=True)[0])  # the output is a fresh array
+
+    def extra_repr(self) -> str:
+        return f"OpenVINO {self.precision} on the CPU, {self.compiled.get_property('INFERENCE_NUM_THREADS')} threads"
+
+
+def _in_openvino(
+    model: VisionTransformer, precision: str, asked: bool, pack: bool | None, compile: bool
+) -> VisionTransformer | OpenVINOModel:
+    """`optimize`'s OpenVINO copy; where OpenVINO was not `asked` for by name, any failure (with a warning) gives
+    vitkit's own copy instead."""
+    if asked:
+        device = next(model.parameters()).device
+        if pack or compile:
+            raise ValueError("runtime='openvino' with pack=True or compile=True: those are torch's; choose one.")
+        if device.type != "cpu" or not openvino_available():
+            raise ValueError(
+                f"runtime='openvino' needs the model on the CPU (it is on {device}) and OpenVINO installed "
+                "(pip install openvino, or vitkit[openvino]); runtime='torch' runs anywhere."
+            )
+        if precision == "bf16" and not machine.bf16_is_native("cpu"):
+            raise ValueError("runtime='openvino' in bf16 needs a CPU with native bf16; use precision='fp32'.")
+        return to_openvino(model, precision)
+    try:
+        return to_openvino(model, precision)
+    except (ValueError, RuntimeError) as e:
+        warnings.warn(f"{e} vitkit's own kernels run it instead.", stacklevel=3)
+        return optimize(model, precision, runtime="torch")
+
+
+def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
+    """The model converted by OpenVINO's PyTorch frontend (`openvino.convert_model`, with a variable batch axis) and
+    compiled for the CPU in `precision` ("fp32" or "bf16") with torch's number of threads; refused (ValueError)
+    unless its logits on two random images match the model's own within `OPENVINO_TOLERANCE`."""
+    import openvino
+
+    plain = copy.deepcopy(model).eval().requires_grad_(False).float()
+    c = plain.config
+    example = torch.randn(2, c.in_chans, *c.image_size, generator=torch.Generator().manual_seed(0))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer's notes on the model's shape checks
+            graph = openvino.convert_model(
+                plain, example_input=example, input=[openvino.PartialShape([-1, c.in_chans, *c.image_size])]
+            )
+    except Exception as e:  # the frontend raises its own types for an operator it cannot convert
+        raise ValueError(f"OpenVINO could not convert this model ({type(e).__name__}: {str(e)[:200]}).") from e
+    settings = {
+        "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+        "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
+    }
+    fast = OpenVINOModel(openvino.Core().compile_model(graph, "CPU", settings), model, precision)
+    with torch.inference_mode():
+        reference = plain(example)
+    error = float((fast(example) - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+    if not error <= OPENVINO_TOLERANCE[precision]:
+        raise ValueError(
+            f"OpenVINO's {precision} logits differ from the model's by {error:.1e} (relative; the limit is "
+            f"{OPENVINO_TOLERANCE[precision]:.0e})."
+        )
     return fast
 
 
@@ -234,15 +375,15 @@ def _calibration_batches(calibration: torch.Tensor | typing.Iterable | None) -> 
     return batches
 
 
-class Int8Model(nn.Module):
+class Int8Model(InferenceCopy):
     """The int8 copy `quantize_int8` makes, with the model's inference interface: images in, logits out (fp32),
-    and the model's `config` and `class_names`. Inference only: it cannot be trained."""
+    and the model's `config`, `class_names` and `trained_on`. Inference only: it cannot be trained."""
+
+    what = "an int8 copy"
 
     def __init__(self, program: nn.Module, model: VisionTransformer):
-        super().__init__()
+        super().__init__(model)
         self.program = program  # the quantized graph, compiled
-        self.config, self.class_names = model.config, getattr(model, "class_names", None)
-        self.training = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Freezing (weights as constants) is what lets inductor swap in oneDNN's int8 linears; it must be set in the
@@ -250,14 +391,6 @@ class Int8Model(nn.Module):
         with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="To copy construct from a tensor")  # inductor's, compiling
             return self.program(x)
-
-    def train(self, mode: bool = True) -> Int8Model:
-        """eval() (a no-op: the graph was put in eval mode when quantized, and an exported graph refuses the
-        call); train() is refused."""
-        if mode:
-            raise ValueError("an int8 copy is for inference only: train the fp32 model, then quantize it again.")
-        self.training = False
-        return self
 
 
 def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.Iterable | None) -> Int8Model:
@@ -278,6 +411,8 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
             "precision='int8' needs torch.compile's C++ compiler (a C++ compiler and Python's headers, "
             "python3-dev), which lowers the quantized graph to oneDNN's int8 kernels."
         )
+    machine.import_torchao_quietly()
+    machine.compile_quietly_on(device)
     try:
         import torchao.quantization.pt2e as pt2e
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e

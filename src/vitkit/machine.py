@@ -173,6 +173,22 @@ def compile_quietly_on(device: torch.device) -> None:
         logging.getLogger("torch.utils.cpp_extension").addFilter(CUDA_NOTE_FILTER)
 
 
+class _EnumConstantNote(logging.Filter):
+    """Drops torch's warning that registering an Enum as a pytree constant is deprecated, which it logs when torchao
+    (the int8 path's quantizer) is imported: a note to torchao's authors, not to vitkit's users."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+ENUM_NOTE_FILTER = _EnumConstantNote()
+
+
+def import_torchao_quietly() -> None:
+    """Before importing torchao: silence torch's deprecation note about how torchao registers its Enums."""
+    logging.getLogger("torch.utils._pytree").addFilter(ENUM_NOTE_FILTER)
+
+
 # glibc's malloc hands freed memory back to the system: a block above M_MMAP_THRESHOLD (128 KiB at first) is unmapped
 # when freed, and the top of the heap is cut back once more than M_TRIM_THRESHOLD lies free there. A training step
 # frees all its activations at its end, so the next step would map them again and take a page fault on every 4 KiB
