@@ -31,6 +31,7 @@ import copy
 import typing
 import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -254,25 +255,41 @@ class InferenceCopy(nn.Module):
 
 class OpenVINOModel(InferenceCopy):
     """The copy `optimize` makes with runtime="openvino": the model as OpenVINO's CPU plugin runs it, with the
-    model's inference interface (`InferenceCopy`): images in (a float tensor on the CPU), fp32 logits out. One call
-    at a time (it holds one inference request)."""
+    model's inference interface (`InferenceCopy`): images in (a float tensor on the CPU), fp32 logits out.
+
+    It holds the model compiled twice: for one image, with every thread on it (OpenVINO's latency hint); for a
+    batch, with the threads shared out among OpenVINO's throughput streams (`streams`), each of which runs one part
+    of the batch at the same time (less waiting between threads than all of them on every product: faster from 2
+    images on; figures in docs/PERFORMANCE.md). One call at a time."""
 
     runtime = "openvino"
     what = "the OpenVINO copy"
 
-    def __init__(self, compiled: typing.Any, model: VisionTransformer, precision: str):
+    def __init__(self, single: typing.Any, batched: typing.Any, model: VisionTransformer, precision: str):
         super().__init__(model)
-        self.compiled, self.request = compiled, compiled.create_infer_request()
+        self.single, self.request = single, single.create_infer_request()
+        self.batched = batched
+        self.streams = int(batched.get_property("NUM_STREAMS"))
+        self.requests = [batched.create_infer_request() for _ in range(self.streams)]
         self.precision = precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise ValueError(f"the OpenVINO copy runs on the CPU; the images are on {x.device}: pass them with .cpu().")
         array = x.detach().to(torch.float32).contiguous().numpy()
-        return torch.from_numpy(self.request.infer([array], share_inputs=True)[0])  # the output is a fresh array
+        if len(array) == 1 or self.streams == 1:
+            return torch.from_numpy(self.request.infer([array], share_inputs=True)[0])  # a fresh array
+        parts = np.array_split(array, min(len(array), self.streams))  # rows of a contiguous array: contiguous
+        for request, part in zip(self.requests, parts):
+            request.start_async([part], share_inputs=True)
+        for request in self.requests[: len(parts)]:
+            request.wait()
+        outputs = [request.get_output_tensor(0).data.copy() for request in self.requests[: len(parts)]]
+        return torch.from_numpy(np.concatenate(outputs))
 
     def extra_repr(self) -> str:
-        return f"OpenVINO {self.precision} on the CPU, {self.compiled.get_property('INFERENCE_NUM_THREADS')} threads"
+        threads = self.single.get_property("INFERENCE_NUM_THREADS")
+        return f"OpenVINO {self.precision} on the CPU, {threads} threads, batches in {self.streams} streams"
 
 
 def _in_openvino(
@@ -320,10 +337,14 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
         "INFERENCE_NUM_THREADS": torch.get_num_threads(),
         "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
     }
-    fast = OpenVINOModel(openvino.Core().compile_model(graph, "CPU", settings), model, precision)
+    core = openvino.Core()
+    single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
+    batched = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "THROUGHPUT"})
+    fast = OpenVINOModel(single, batched, model, precision)
     with torch.inference_mode():
         reference = plain(example)
-    error = float((fast(example) - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+    got = torch.cat([fast(example[:1]), fast(example[1:]), fast(example)])  # each compiled copy
+    error = float((got - reference.repeat(2, 1)).abs().max() / reference.abs().max().clamp_min(1e-12))
     if not error <= OPENVINO_TOLERANCE[precision]:
         raise ValueError(
             f"OpenVINO's {precision} logits differ from the model's by {error:.1e} (relative; the limit is "
