@@ -14,7 +14,7 @@ Contenders:
 - Hugging Face `ViTForImageClassification` (SDPA attention; bf16: autocast);
 - ONNX Runtime and OpenVINO on the graph `vitkit.export` writes of the same weights (fp32; bf16: OpenVINO's default
   precision hint where the CPU has AVX-512 BF16 or AMX; ONNX Runtime has no bf16 path on CPUs),
-  `vitkit.benchmark.runtime_runners`.
+  `vitkit.runtimes.runtime_runners`.
 
 Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same AdamW.
 
@@ -49,14 +49,8 @@ import torch.utils.mkldnn
 
 import vitkit
 from vitkit import machine
-from vitkit.benchmark import (
-    interleaved,
-    ratios_to_fastest,
-    record_header,
-    runtime_runners,
-    runtime_versions,
-    write_record,
-)
+from vitkit.benchmark import interleaved, ratios_to_fastest, record_header, write_record
+from vitkit.runtimes import runtime_runners, runtime_versions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNTIMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}  # the runtimes' names in the table

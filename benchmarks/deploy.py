@@ -1,9 +1,11 @@
 """vitkit.optimize (fp32, bf16, int8) beside ONNX Runtime and OpenVINO on the same weights, side by side in
 interleaved rounds, written as a JSON record (machine, versions, date, commit, command, every round).
+Where `optimize` runs the model in OpenVINO (its default on x86 CPUs where OpenVINO is installed), its copy with
+vitkit's own kernels (`runtime="torch"`) is timed beside it as "vitkit torch fp32" / "vitkit torch bf16".
 
     python benchmarks/deploy.py [--model ViT-S/16] [--batch 1 8] [--rounds 5] [--threads 2] [--out FILE]
 
-The runtimes read the graph `vitkit.export` writes (a dynamic batch axis; `vitkit.benchmark.runtime_runners`: fp32
+The runtimes read the graph `vitkit.export` writes (a dynamic batch axis; `vitkit.runtimes.runtime_runners`: fp32
 in both, OpenVINO's bf16 where its default precision is bf16). Each copy's logits are compared with the fp32
 model's before timing and the largest difference recorded. int8 is calibrated on 64 random images (speed only: its
 accuracy is measured on a trained model, see the tests).
@@ -21,7 +23,8 @@ from pathlib import Path
 import torch
 
 import vitkit
-from vitkit.benchmark import interleaved, record_header, runtime_runners, runtime_versions, write_record
+from vitkit.benchmark import interleaved, record_header, write_record
+from vitkit.runtimes import runtime_runners, runtime_versions
 
 
 def main() -> None:
@@ -45,6 +48,9 @@ def main() -> None:
             "vitkit bf16": vitkit.optimize(model, "bf16"),
             "vitkit int8": vitkit.optimize(model, "int8", calibration=torch.randn(64, 3, *size)),
         }
+        for precision in ("fp32", "bf16"):  # where `optimize` chose a runtime, its own kernels' copy beside it
+            if not isinstance(copies[f"vitkit {precision}"], vitkit.VisionTransformer):
+                copies[f"vitkit torch {precision}"] = vitkit.optimize(model, precision, runtime="torch")
     result = {
         **record_header("deploy"),
         "model": args.model,

@@ -272,7 +272,8 @@ def deploy(records: list[dict]) -> str:
     latest: dict[str, dict] = {}
     for record in sorted((r for r in records if r.get("benchmark") == "deploy"), key=lambda r: str(r.get("date"))):
         latest[label(record["machine"])] = record
-    copies = ["vitkit fp32", "onnxruntime fp32", "openvino fp32", "vitkit bf16", "openvino bf16", "vitkit int8"]
+    copies = ["vitkit fp32", "vitkit torch fp32", "onnxruntime fp32", "openvino fp32", "vitkit bf16",
+              "vitkit torch bf16", "openvino bf16", "vitkit int8"]  # fmt: skip
     rows = []
     for name in machines_in(list(latest.values())):
         record = latest[name]
@@ -288,9 +289,12 @@ def deploy(records: list[dict]) -> str:
                 ratio = statistics.median(a / b for a, b in zip(rates[ours], rates[best]))
                 return f" ({ratio:.2f}x)"
 
+            fp32, bf16 = ["onnxruntime fp32", "openvino fp32"], ["onnxruntime fp32", "openvino fp32", "openvino bf16"]
             notes = {
-                "vitkit fp32": over("vitkit fp32", ["onnxruntime fp32", "openvino fp32"]),
-                "vitkit bf16": over("vitkit bf16", ["onnxruntime fp32", "openvino fp32", "openvino bf16"]),
+                "vitkit fp32": over("vitkit fp32", fp32),
+                "vitkit torch fp32": over("vitkit torch fp32", fp32),
+                "vitkit bf16": over("vitkit bf16", bf16),
+                "vitkit torch bf16": over("vitkit torch bf16", bf16),
                 "vitkit int8": over("vitkit int8", ["vitkit bf16"]),
             }
             cells = [f"{medians[c]:.1f}{notes.get(c, '')}" if c in medians else "" for c in copies]
@@ -298,8 +302,40 @@ def deploy(records: list[dict]) -> str:
     return markdown(["machine", "model", "batch", *copies], rows, right=len(copies))
 
 
+RUNTIME_PEERS = ("ONNX Runtime", "OpenVINO")
+
+
+def runtimes(records: list[dict]) -> str:
+    """benchmarks/compare.py, inference cells with the runtimes: images/s of `vitkit.optimize`'s copy (with the runtime
+    that ran it), of its copy with vitkit's own kernels, and of ONNX Runtime and OpenVINO; each vitkit copy over the
+    fastest runtime (the median of the rounds' ratios), per machine's latest record of the cell."""
+    rows = []
+    for key, per in sorted(latest_cells(records, "inference").items(), key=lambda kv: cell_order(kv[0])):
+        for machine, row in per.items():
+            rounds = row["rounds"]
+            peers = [p for p in RUNTIME_PEERS if p in rounds]
+            if not peers or "optimized_runtime" not in row:
+                continue
+            medians = {k: statistics.median(v) for k, v in rounds.items()}
+            fastest = max(peers, key=medians.__getitem__)
+
+            def over(ours: str, rounds=rounds, fastest=fastest) -> str:
+                if ours not in rounds:
+                    return ""
+                return f"{statistics.median(a / b for a, b in zip(rounds[ours], rounds[fastest])):.2f}x"
+
+            own = "vitkit torch kernels" if "vitkit torch kernels" in rounds else "vitkit optimized"
+            cells = [f"{medians[k]:.1f}" if k in medians else "-" for k in ("vitkit optimized", own, *RUNTIME_PEERS)]
+            ratios = [over("vitkit optimized"), over(own)]
+            rows.append([machine, key[0], str(key[1]), key[2], row["optimized_runtime"], *cells, *ratios])
+    head = ["machine", "model", "batch", "precision", "optimize ran in", "optimize img/s", "torch kernels img/s",
+            "ONNX Runtime", "OpenVINO", "optimize / fastest runtime", "torch kernels / fastest runtime"]  # fmt: skip
+    return markdown(head, rows, right=6)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
     "deploy": deploy,
+    "runtimes": runtimes,
     "inference": inference,
     "training": training,
     "summary": summary,

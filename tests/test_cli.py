@@ -286,3 +286,26 @@ def test_eval_and_predict_precision_int8_say_what_they_calibrated_on(gray_model,
     assert "calibrated on 1 images (the images being predicted)" in out and out.count("%") == 5
     assert main(["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--no-optimize", str(image)]) == 2
     assert "drop --no-optimize" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_runtime_openvino_gives_the_torch_copys_fp32_accuracy_and_needs_the_optimized_copy(tmp_path, capsys):
+    pytest.importorskip("openvino", reason="the OpenVINO copy needs the optional openvino (vitkit[openvino])")
+    import re
+
+    from helpers import perturbed
+
+    model = perturbed(vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1,
+                                          mlp_dim=32, num_heads=2))  # fmt: skip
+    vitkit.export(model, tmp_path / "m.safetensors")
+    args = ["eval", "--checkpoint", str(tmp_path / "m.safetensors"), "--data", "shapes", "--batch-size", "100"]
+    accuracy = []
+    for runtime in ("torch", "openvino"):
+        assert main([*args, "--runtime", runtime]) == 0
+        accuracy.append([float(a) for a in re.findall(r"top-[15] +([0-9.]+)%", capsys.readouterr().out)])
+    # fp32 logits to 1e-5 of their scale: the same answers, but for a near tie or two
+    assert len(accuracy[0]) == 2 and accuracy[0] == pytest.approx(accuracy[1], abs=1.0)
+    assert main([*args, "--runtime", "openvino", "--no-optimize"]) == 2
+    assert "--runtime openvino with --no-optimize" in capsys.readouterr().err
+    assert main([*args, "--runtime", "openvino", "--precision", "int8"]) == 2
+    assert "int8 copy runs in torch; drop --runtime" in capsys.readouterr().err

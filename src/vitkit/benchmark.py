@@ -21,7 +21,6 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +178,8 @@ def _inference_cell(model, precision: str, mode: str, x: torch.Tensor, config: V
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # emulated bf16 (slow int8) is measured all the same; `machine` says it is
             # int8 calibrates on the images it times: only its speed is measured here
-            net = optimize(model, precision, calibration=x if precision == "int8" else None)
+            calibration = x if precision == "int8" else None
+            net = optimize(model, precision, runtime="torch", calibration=calibration)  # its memory is torch's
 
         def run():
             with torch.inference_mode():
@@ -259,6 +259,34 @@ def _measure_memory(cell: _Cell, static: int) -> float:
     with PeakMemory() as tracker:
         cell.run()
     return static + tracker.peak
+
+
+def interleaved(runs: dict[str, Any], rounds: int, min_seconds: float) -> dict[str, list[float]]:
+    """Seconds per call of each callable in each of `rounds` rounds, after one warm-up call each; each round
+    starts with another one, so that none always runs first and noise from other work hits all of them alike."""
+    for run in runs.values():
+        run()
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for i in range(rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            calls, start = 0, time.perf_counter()
+            while True:
+                runs[name]()
+                calls += 1
+                spent = time.perf_counter() - start
+                if spent >= min_seconds:
+                    break
+            seconds[name].append(spent / calls)
+    return seconds
+
+
+def ratios_to_fastest(rates: dict[str, list[float]]) -> dict[str, float]:
+    """Each contender's images/s over the fastest one's (the highest median): the median of the two's ratios
+    within each round, which cancels the machine's drift between rounds (the fastest: 1.0)."""
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    fastest = max(medians, key=medians.__getitem__)
+    return {name: statistics.median(a / b for a, b in zip(r, rates[fastest])) for name, r in rates.items()}
 
 
 def bench(
@@ -487,207 +515,3 @@ def plot_bench(result: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# vitkit against the ONNX runtimes (`vitkit bench --compare`): the same weights exported with `vitkit.export`,
-# run by ONNX Runtime and OpenVINO beside `vitkit.optimize`, in interleaved rounds.
-# ----------------------------------------------------------------------------------------------------------
-
-RUNTIMES = ("onnxruntime", "openvino")
-
-
-def runtime_versions() -> dict[str, str]:
-    """The versions of the runtimes installed (and torch's), for the record."""
-    import importlib
-
-    versions: dict[str, str] = {"torch": torch.__version__}
-    for name in RUNTIMES:
-        try:
-            versions[name] = importlib.import_module(name).__version__
-        except ImportError:
-            pass
-    return versions
-
-
-def runtime_runners(path: str | Path, precision: str, threads: int) -> tuple[dict[str, Any], list[str]]:
-    """name -> a callable mapping images (a float32 numpy array) to logits, for each ONNX runtime that runs the
-    graph at `path` in `precision` on this CPU with `threads` threads; and a note for each one left out.
-
-    fp32: both. bf16: OpenVINO with its default precision hint, which is bf16 where the CPU has AVX-512 BF16 or
-    AMX; ONNX Runtime's CPU kernels have no bf16 path for a ViT's matrix products, so it is left out."""
-    runners: dict[str, Any] = {}
-    notes = []
-    try:
-        import onnxruntime
-
-        if precision == "fp32":
-            options = onnxruntime.SessionOptions()
-            options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-            # Its threads would otherwise spin after each run, taking the cores from the contender timed next.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            name = session.get_inputs()[0].name
-            runners["onnxruntime"] = lambda x: session.run(None, {name: x})[0]
-        else:
-            notes.append("onnxruntime: no bf16 path for a ViT's matrix products on CPUs; left out of bf16")
-    except ImportError:
-        notes.append("onnxruntime: not installed (pip install onnxruntime)")
-    try:
-        import openvino
-
-        settings: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads}
-        if precision == "fp32":
-            settings["INFERENCE_PRECISION_HINT"] = "f32"
-        compiled = openvino.Core().compile_model(str(path), "CPU", settings)
-        chosen = compiled.get_property("INFERENCE_PRECISION_HINT")
-        if precision == "bf16" and chosen != openvino.Type.bf16:
-            notes.append(f"openvino: its default precision here is {chosen}, not bf16; left out of bf16")
-        else:
-            runners["openvino"] = lambda x: compiled(x)[0]
-    except ImportError:
-        notes.append("openvino: not installed (pip install openvino)")
-    return runners, notes
-
-
-def interleaved(runs: dict[str, Any], rounds: int, min_seconds: float) -> dict[str, list[float]]:
-    """Seconds per call of each callable in each of `rounds` rounds, after one warm-up call each; each round
-    starts with another one, so that none always runs first and noise from other work hits all of them alike."""
-    for run in runs.values():
-        run()
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for i in range(rounds):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            calls, start = 0, time.perf_counter()
-            while True:
-                runs[name]()
-                calls += 1
-                spent = time.perf_counter() - start
-                if spent >= min_seconds:
-                    break
-            seconds[name].append(spent / calls)
-    return seconds
-
-
-def ratios_to_fastest(rates: dict[str, list[float]]) -> dict[str, float]:
-    """Each contender's images/s over the fastest one's (the highest median): the median of the two's ratios
-    within each round, which cancels the machine's drift between rounds (the fastest: 1.0)."""
-    medians = {name: statistics.median(r) for name, r in rates.items()}
-    fastest = max(medians, key=medians.__getitem__)
-    return {name: statistics.median(a / b for a, b in zip(r, rates[fastest])) for name, r in rates.items()}
-
-
-def compare_runtimes(
-    model: str | ViTConfig | VisionTransformer = "ViT-S/16",
-    *,
-    batch_sizes: tuple[int, ...] = (1, 8, 64),
-    precisions: tuple[str, ...] = ("fp32", "bf16"),
-    rounds: int = 5,
-    min_seconds: float = 0.5,
-    progress: bool = True,
-    **model_args: Any,
-) -> dict[str, Any]:
-    """`vitkit.optimize(model, precision)` against ONNX Runtime and OpenVINO on the same weights (exported with
-    `vitkit.export`), with torch's number of threads. `model`: a loaded model, or a variant name or config (random
-    weights); returns a JSON-able dict: `machine`, `versions`, `notes` (the
-    runtimes left out, and why) and `rows` (per batch, precision and contender: the images/s of every round, their
-    median, the ratio to the fastest contender, and the largest difference of its logits from vitkit's plain
-    model, relative to their largest magnitude)."""
-    import tempfile
-
-    import numpy as np
-
-    from .checkpoints import export
-
-    for p in precisions:
-        if p not in BENCH_PRECISIONS:
-            raise ValueError(f"precisions={precisions!r}: choose from {', '.join(BENCH_PRECISIONS)}.")
-    if rounds < 1 or not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"rounds={rounds}, batch_sizes={batch_sizes}: need at least one round and batch.")
-    if isinstance(model, VisionTransformer):
-        net, config = model.eval(), model.config
-    else:
-        config = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
-        net = VisionTransformer(config).eval()
-        if isinstance(net.head, nn.Linear):  # the official init zeroes the head: logits of 0 would hide differences
-            nn.init.trunc_normal_(net.head.weight, std=0.02)
-    threads = torch.get_num_threads()
-    result: dict[str, Any] = {
-        **record_header("bench-compare"),
-        "model": model if isinstance(model, str) else "custom",
-        "config": config.to_dict(),
-        "versions": runtime_versions(),
-        "settings": {"rounds": rounds, "min_seconds": min_seconds, "threads": threads},
-        "notes": [],
-        "rows": [],
-    }
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "model.onnx"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's own progress and deprecation notes
-            export(net, path, format="onnx")
-        for precision in precisions:
-            runners, notes = runtime_runners(path, precision, threads)
-            result["notes"] += [f"{precision}: {n}" for n in notes]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # emulated bf16 is measured all the same; `machine` says it is
-                fast = optimize(net, precision)
-                copies = {"vitkit.optimize": fast}
-                if not isinstance(fast, VisionTransformer):  # a runtime's copy: vitkit's own kernels beside it
-                    copies["vitkit torch"] = optimize(net, precision, runtime="torch")
-                    result["notes"].append(
-                        f"{precision}: vitkit.optimize runs the model in {fast.runtime} here (runtime='auto'); "
-                        "'vitkit torch' is its copy with vitkit's own kernels (runtime='torch')"
-                    )
-            for batch in batch_sizes:
-                x = torch.randn(batch, config.in_chans, *config.image_size)
-                with torch.inference_mode():
-                    reference = net(x).float().numpy()
-                    outputs = {name: copy(x).float().numpy() for name, copy in copies.items()}
-                array = x.numpy()
-                outputs |= {name: np.asarray(run(array), dtype=np.float32) for name, run in runners.items()}
-                runs = {name: partial(copy, x) for name, copy in copies.items()}
-                runs |= {name: partial(run, array) for name, run in runners.items()}
-                with torch.inference_mode():
-                    seconds = interleaved(runs, rounds, min_seconds)
-                rates = {name: [batch / s for s in ss] for name, ss in seconds.items()}
-                ratios = ratios_to_fastest(rates)
-                scale = max(float(np.abs(reference).max()), 1e-12)
-                for name, r in rates.items():
-                    result["rows"].append(
-                        {
-                            "image_size": list(config.image_size),
-                            "batch": batch,
-                            "precision": precision,
-                            "contender": name,
-                            "images_per_s": statistics.median(r),
-                            "rounds": r,
-                            "ratio_to_fastest": ratios[name],
-                            "max_relative_difference": float(np.abs(outputs[name] - reference).max()) / scale,
-                        }
-                    )
-                if progress:
-                    rows = result["rows"][-len(rates) :]
-                    print(format_compare({**result, "rows": rows}, header=False), file=sys.stderr, flush=True)
-    return result
-
-
-def format_compare(result: dict, header: bool = True) -> str:
-    """A table of `compare_runtimes`'s rows: images/s and the ratio to the fastest contender, cell by cell."""
-    lines = []
-    if header:
-        m = result["machine"]
-        versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-        lines.append(
-            f"{result['model']} on {m['cpu']} ({m['cpu_capability']}), {result['settings']['threads']} "
-            f"threads, {versions}; median of {result['settings']['rounds']} interleaved rounds"
-        )
-        lines += [f"note: {n}" for n in result["notes"]]
-        lines.append(f"{'batch':>5} {'prec':<5}{'contender':<17}{'images/s':>10}{'vs fastest':>11}{'max rel diff':>13}")
-    for r in result["rows"]:
-        lines.append(
-            f"{r['batch']:>5} {r['precision']:<5}{r['contender']:<17}{r['images_per_s']:>10.2f}"
-            f"{r['ratio_to_fastest']:>10.2f}x{r['max_relative_difference']:>13.1e}"
-        )
-    return "\n".join(lines)

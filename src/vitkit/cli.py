@@ -20,7 +20,7 @@ from .benchmark import MODES as BENCH_MODES
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError, from_command
-from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, RUNTIMES, optimize
+from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, OPTIMIZE_RUNTIMES, optimize
 from .machine import resolve_precision, retain_freed_memory
 from .model import VisionTransformer
 from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, counting, field_help, field_types
@@ -165,7 +165,7 @@ def _add_optimize_option(p: argparse.ArgumentParser, runtime: bool = False) -> N
         p.add_argument(
             "--runtime",
             default="auto",
-            choices=RUNTIMES,
+            choices=OPTIMIZE_RUNTIMES,
             help="what runs the optimized copy: torch (vitkit's own kernels), openvino (CPU; pip install openvino), "
             "or auto: OpenVINO where it is installed on an x86 CPU, else torch (default auto)",
         )
@@ -211,7 +211,8 @@ def _bench_compare(args: argparse.Namespace) -> int:
     """`vitkit bench --compare`: vitkit.optimize against ONNX Runtime and OpenVINO, side by side."""
     import os
 
-    from .benchmark import compare_runtimes, format_compare, write_record
+    from .benchmark import write_record
+    from .runtimes import compare_runtimes, format_compare
 
     if len(args.image_size) > 1:
         raise ValueError(f"--image-size {' '.join(map(str, args.image_size))} with --compare: give one resolution.")

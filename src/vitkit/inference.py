@@ -41,7 +41,7 @@ from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
 
 OPTIMIZE_PRECISIONS = (*machine.PRECISIONS, "int8")  # int8 for inference only, never chosen by "auto"
-RUNTIMES = ("auto", "torch", "openvino")  # what runs the optimized copy: see `optimize`
+OPTIMIZE_RUNTIMES = ("auto", "torch", "openvino")  # what runs the optimized copy: see `optimize`
 
 
 # fp32: MKL's packed GEMM is packed for one number of rows (`_mkl_linear` falls back to `F.linear` for any other), so
@@ -192,8 +192,8 @@ def optimize(
             f"calibration= with precision={precision!r}: only int8 is calibrated; pass "
             "precision='int8', or leave calibration out."
         )
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime={runtime!r}: choose from {', '.join(RUNTIMES)}.")
+    if runtime not in OPTIMIZE_RUNTIMES:
+        raise ValueError(f"runtime={runtime!r}: choose from {', '.join(OPTIMIZE_RUNTIMES)}.")
     device = next(model.parameters()).device
     precision = machine.resolve_precision(precision, device)
     torch_asked = pack is not None or compile  # options of vitkit's own kernels
