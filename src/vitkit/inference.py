@@ -257,8 +257,8 @@ class OpenVINOModel(InferenceCopy):
     """The copy `optimize` makes with runtime="openvino": the model as OpenVINO's CPU plugin runs it, with the
     model's inference interface (`InferenceCopy`): images in (a float tensor on the CPU), fp32 logits out.
 
-    It holds the model compiled twice: for one image, with every thread on it (OpenVINO's latency hint); for a
-    batch, with the threads shared out among OpenVINO's throughput streams (`streams`), each of which runs one part
+    It holds the model compiled twice: for one image, with every thread on it (OpenVINO's latency hint, the shape
+    fixed at one image); for a batch, with the threads shared out among OpenVINO's throughput streams (`streams`), each of which runs one part
     of the batch at the same time (less waiting between threads than all of them on every product: faster from 2
     images on; figures in docs/PERFORMANCE.md). One call at a time."""
 
@@ -338,8 +338,9 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
         "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
     }
     core = openvino.Core()
-    single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
     batched = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "THROUGHPUT"})
+    graph.reshape([1, c.in_chans, *c.image_size])  # single images: a static shape, which the plugin plans for
+    single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
     fast = OpenVINOModel(single, batched, model, precision)
     with torch.inference_mode():
         reference = plain(example)
