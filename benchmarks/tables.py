@@ -312,7 +312,7 @@ def runtimes(records: list[dict]) -> str:
     rows = []
     for key, per in sorted(latest_cells(records, "inference").items(), key=lambda kv: cell_order(kv[0])):
         for machine, row in per.items():
-            rounds = row["rounds"]
+            rounds = row.get("rounds") or {}  # summaries of old runs kept no rounds
             peers = [p for p in RUNTIME_PEERS if p in rounds]
             if not peers or "optimized_runtime" not in row:
                 continue
