@@ -258,9 +258,10 @@ class OpenVINOModel(InferenceCopy):
     model's inference interface (`InferenceCopy`): images in (a float tensor on the CPU), fp32 logits out.
 
     It holds the model compiled twice: for one image, with every thread on it (OpenVINO's latency hint, the shape
-    fixed at one image); for a batch, with the threads shared out among OpenVINO's throughput streams (`streams`), each of which runs one part
-    of the batch at the same time (less waiting between threads than all of them on every product: faster from 2
-    images on; figures in docs/PERFORMANCE.md). One call at a time."""
+    fixed at one image for a plain ViT); for a batch, with the threads shared out among OpenVINO's throughput
+    streams (`streams`), each of which runs one part of the batch at the same time (less waiting between threads
+    than all of them on every product: faster from 2 images on; figures in docs/PERFORMANCE.md). One call at a
+    time."""
 
     runtime = "openvino"
     what = "the OpenVINO copy"
@@ -339,7 +340,10 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
     }
     core = openvino.Core()
     batched = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "THROUGHPUT"})
-    graph.reshape([1, c.in_chans, *c.image_size])  # single images: a static shape, which the plugin plans for
+    # Single images with the shape fixed at one image, which the plugin plans for; not the hybrid (or any CNN stem),
+    # whose graph OpenVINO's CPU plugin (2026.4) crashes on compiling with a fixed shape.
+    if isinstance(plain, VisionTransformer) and plain.config.hybrid is None:
+        graph.reshape([1, c.in_chans, *c.image_size])
     single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
     fast = OpenVINOModel(single, batched, model, precision)
     with torch.inference_mode():
