@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from helpers import tiny
-from vitkit.cli import _train_config, build_parser
+from vitkit.cli import build_parser
+from vitkit.commands import _train_config
 from vitkit.recipes import (
     FINETUNE_DEFAULTS,
     TrainConfig,

@@ -1,10 +1,10 @@
-"""The `vitkit` command: a thin layer over the library API, one sub-command per task."""
+"""The `vitkit` command line: the parser of every sub-command and its options, and `main`, which runs the command
+(its body is in commands.py) and turns its errors into one line and an exit status."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import difflib
 import json
 import os
@@ -13,145 +13,13 @@ import sys
 import warnings
 from typing import Any
 
-from . import __version__, formats
-from . import config as cfg
+from . import __version__, commands, formats
 from .benchmark import BENCH_PRECISIONS
 from .benchmark import MODES as BENCH_MODES
-from .checkpoints import export, load_checkpoint
-from .efficiency import count_params, flops
 from .errors import NonFiniteError, WorkerError, from_command
-from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, OPTIMIZE_RUNTIMES, optimize
-from .machine import resolve_precision, retain_freed_memory
-from .model import VisionTransformer
-from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, counting, field_help, field_types
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    """Print the paper's Table 1 for every named variant, with parameters and GFLOPs at a resolution; a variant
-    whose patch stride does not divide it is listed with the nearest resolutions that it does."""
-    header = f"{'model':<16}{'layers':>7}{'hidden':>8}{'MLP':>7}{'heads':>7}{'params':>14}{'GFLOPs':>9}"
-    print(f"Variants at {args.image_size} px, {args.num_classes} classes (GFLOPs: multiply-add = 2)")
-    print(header)
-    print("-" * len(header))
-    unfit = 0
-    for name in cfg.list_models():
-        c = cfg.decode_variant(name, num_classes=args.num_classes)
-        row = f"{name:<16}{c.num_layers:>7}{c.hidden_size:>8}{c.mlp_dim:>7}{c.num_heads:>7}"
-        stride = c.patch_stride[0]
-        if args.image_size % stride:
-            unfit += 1
-            below = max(args.image_size // stride, 1) * stride
-            print(f"{row}   * not at {args.image_size} px (patch stride {stride}): nearest {below} or {below + stride}")
-            continue
-        c = c.replace(image_size=args.image_size)
-        print(f"{row}{count_params(c):>14,}{flops(c) / 1e9:>9.1f}")
-    if unfit:
-        print(f"* {unfit} variant(s) need a resolution that is a multiple of their patch stride.")
-    return 0
-
-
-def cmd_pretrained(args: argparse.Namespace) -> int:
-    """The table of released weights by name; with --download, fetch names into the cache for offline use."""
-    from . import pretrained
-
-    if not args.download:
-        print(pretrained.format_table())
-        print(f"cache: {pretrained.cache_dir()} ($VITKIT_CACHE); any Hugging Face Hub id 'org/name' works too")
-        return 0
-    for name in args.download:
-        path, _ = pretrained.fetch(name)
-        print(f"{name}: {path}")
-    return 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    """Load a checkpoint of any format and write it in another."""
-    model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        export(model, args.dst, format=args.to, overwrite=args.overwrite)
-    for warning in caught:
-        print(f"vitkit convert: warning: {warning.message}", file=sys.stderr)
-    c = model.config
-    if isinstance(c, cfg.ViTConfig):
-        shape = f"{c.num_layers} layers, D={c.hidden_size}, {c.num_heads} heads, patch {c.patch_size}"
-        shape += f", {c.image_size} px"
-    else:
-        shape = f"{c.name}, {c.image_size} px"
-    print(f"{args.src} -> {args.dst} ({args.to}): {shape}, {c.num_classes} classes")
-    return 0
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
-    from .evaluation import image_files
-    from .report import dataset_samples, load_images, occlusion_plan, write_report
-
-    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f"{args.checkpoint} holds a {type(model).__name__}: the analysis figures are a ViT's.")
-    if args.image:
-        samples = load_images(image_files(args.image), model, strict=args.strict)
-    else:
-        samples = dataset_samples(args.data, args.samples, model, split=args.split)
-    samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
-    print(occlusion_plan(model, samples.images.shape[0], args.stride), flush=True)
-    path = write_report(
-        model,
-        samples,
-        args.out,
-        title=f"vitkit inspect: {args.checkpoint}",
-        stride=args.stride,
-        progress=True,
-        overwrite=args.overwrite,
-    )
-    print(f"wrote {path} ({samples.images.shape[0]} image(s))")
-    return 0
-
-
-def cmd_data_pack(args: argparse.Namespace) -> int:
-    """Pack an image folder into Parquet shards for streaming (datasets larger than memory)."""
-    from .data import pack_image_folder
-
-    index = pack_image_folder(
-        args.root,
-        args.out,
-        samples_per_shard=args.samples_per_shard,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        progress=True,
-        overwrite=args.overwrite,
-    )
-    for split, shards in index["splits"].items():
-        print(f"{split}: {sum(s['count'] for s in shards)} images in {len(shards)} shards")
-    print(f"wrote {args.out}/index.json ({len(index['classes'])} classes); use: --data shards --data-dir {args.out}")
-    return 0
-
-
-def _for_inference(model, args: argparse.Namespace):
-    """The model as `vitkit.optimize` makes it with vitkit's own kernels (fp32, or bf16 where native), unless
-    --no-optimize: the analysis reads the model's intermediates, which a runtime's copy does not expose."""
-    return optimize(model, runtime="torch") if args.optimize else model
-
-
-def _int8(model, args: argparse.Namespace, calibration, source: str):
-    """The int8 copy of `model`, calibrated on `calibration` (images from `source`, which is printed)."""
-    if not args.optimize:
-        raise ValueError(
-            "--precision int8 with --no-optimize: int8 is the copy vitkit.optimize makes; drop --no-optimize."
-        )
-    if args.runtime == "openvino":
-        raise ValueError("--precision int8 with --runtime openvino: vitkit's int8 copy runs in torch; drop --runtime.")
-    count = sum(len(x) for x in calibration) if isinstance(calibration, list) else len(calibration)
-    print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
-    return optimize(model, "int8", calibration=calibration)
-
-
-def _runtime_needs_optimize(args: argparse.Namespace) -> None:
-    if args.runtime != "auto" and not args.optimize:
-        raise ValueError(
-            f"--runtime {args.runtime} with --no-optimize: the runtime runs the optimized copy; drop one of them."
-        )
+from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, OPTIMIZE_RUNTIMES
+from .machine import retain_freed_memory
+from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, field_help, field_types
 
 
 def _add_optimize_option(p: argparse.ArgumentParser, runtime: bool = False) -> None:
@@ -171,235 +39,10 @@ def _add_optimize_option(p: argparse.ArgumentParser, runtime: bool = False) -> N
         )
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """The paper's Fig. 12 for a variant on this machine: a table, and with --out a JSON file and a plot."""
-    import torch
-
-    from .benchmark import bench, bench_files, format_bench, write_bench
-    from .distributed import resolve_device
-
-    if args.out:
-        bench_files(args.out, args.overwrite)  # refused now, not after the measurements
-    if args.threads < 0:
-        raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.compare:
-        return _bench_compare(args)
-    result = bench(
-        args.model,
-        image_sizes=tuple(args.image_size),
-        batch_sizes=tuple(args.batch_size),
-        precisions=tuple(args.precision),
-        modes=tuple(args.mode),
-        train=args.train,
-        compile=args.compile,
-        rounds=args.rounds,
-        min_seconds=args.min_seconds,
-        memory_budget_gb=args.memory_budget_gb,
-        device=resolve_device(args.device),
-        **args.model_args,
-    )
-    print(format_bench(result))
-    if args.out:
-        json_path, png_path = write_bench(result, args.out, args.overwrite)
-        print(f"wrote {json_path} and {png_path}")
-    return 0
-
-
-def _bench_compare(args: argparse.Namespace) -> int:
-    """`vitkit bench --compare`: vitkit.optimize against ONNX Runtime and OpenVINO, side by side."""
-    import os
-
-    from .benchmark import write_record
-    from .runtimes import compare_runtimes, format_compare
-
-    if len(args.image_size) > 1:
-        raise ValueError(f"--image-size {' '.join(map(str, args.image_size))} with --compare: give one resolution.")
-    if os.path.exists(args.model):
-        model: Any = load_checkpoint(args.model, image_size=args.image_size[0], **args.model_args)
-        if not isinstance(model, VisionTransformer):
-            raise ValueError(f"{args.model} holds a {type(model).__name__}: --compare runs Vision Transformers.")
-        args.model_args = {}
-    else:
-        model, args.model_args = args.model, {"image_size": args.image_size[0], **args.model_args}
-    result = compare_runtimes(
-        model,
-        batch_sizes=tuple(args.batch_size),
-        precisions=tuple(args.precision),
-        rounds=args.rounds,
-        min_seconds=args.min_seconds,
-        **args.model_args,
-    )
-    if isinstance(model, VisionTransformer):
-        result["model"] = str(args.model)
-    print(format_compare(result))
-    if args.out:
-        print(f"wrote {write_record(args.out, result)}")
-    return 0
-
-
-def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
-    """Defaults (or a preset) < the --config file < the options given on the command line."""
-    values = dict(preset)
-    if args.config:
-        values.update(TrainConfig.from_file(args.config).to_dict())
-    fields = field_types()
-    values.update(counting({name: getattr(args, name) for name in fields if hasattr(args, name)}))
-    return TrainConfig.from_dict(values)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """Train (or with --resume continue) a run; exit status 130 when interrupted after saving a checkpoint."""
-    from .training import train
-
-    if args.resume:
-        changes = {name: getattr(args, name) for name in field_types() if hasattr(args, name)}
-        if args.config:
-            raise ValueError(f"--config {args.config} with --resume: a resumed run keeps its saved config.")
-        result = train(resume=args.resume, changes=changes)
-    else:
-        config = _train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {})
-        if args.command == "finetune" and config.checkpoint is None:
-            raise ValueError(
-                "finetune needs --checkpoint MODEL, the pre-trained weights to start from; to train from random "
-                "weights use `vitkit train` (add --optimizer sgd --lr 0.01 for the fine-tuning recipe)."
-            )
-        result = train(config)
-    return 130 if result.interrupted else 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split; with --fewshot, the paper's
-    few-shot linear accuracy of its frozen features instead."""
-    from .data import get_dataset
-    from .evaluation import calibration_batches, evaluate, fewshot, format_eval
-
-    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
-    kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
-    dataset = get_dataset(args.data, args.split, strict=args.strict, **kwargs)
-    if args.fewshot:
-        shots = _shots(args.fewshot)
-        train_set = get_dataset(args.data, "train", **kwargs)
-        few = fewshot(model, train_set, dataset, shots, args.draws, args.l2, args.seed, progress=True)
-        print(f"{args.checkpoint} on {args.data} ({args.split}): few-shot linear accuracy, {args.draws} draws")
-        for k, acc in few.accuracy.items():
-            spread = _std(few.per_draw[k])
-            print(f"  {k:>3}-shot  {100 * acc:6.2f}%  (+- {100 * spread:.2f} over draws)")
-        return 0
-    if len(dataset.classes) != model.config.num_classes:
-        raise ValueError(
-            f"{args.checkpoint} has {model.config.num_classes} classes but {args.data} has {len(dataset.classes)}: "
-            "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
-        )
-    _runtime_needs_optimize(args)
-    if args.precision == "int8":
-        calibration = calibration_batches(model, get_dataset(args.data, "train", **kwargs), args.calibration_images)
-        model, precision = _int8(model, args, calibration, f"{args.data}'s train split, --calibration-images"), "fp32"
-    else:
-        precision = resolve_precision(args.precision, next(model.parameters()).device)
-        if args.optimize:
-            model, precision = optimize(model, precision, runtime=args.runtime), "fp32"  # a bf16 copy: no autocast
-    result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
-    print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
-    print(format_eval(result, model.class_names or dataset.classes))
-    skipped = getattr(dataset, "skipped", None)
-    if skipped:
-        print(skipped.summary())
-    return 0
-
-
-def _shots(text: str) -> tuple[int, ...]:
-    try:
-        shots = tuple(int(s) for s in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"--fewshot {text!r}: give shots per class as integers separated by commas, e.g. 1,5,10."
-        ) from None
-    return shots
-
-
-def _std(values: list[float]) -> float:
-    """Standard deviation (0 for a single value)."""
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
-
-
-def cmd_predict(args: argparse.Namespace) -> int:
-    """Top-k classes with their probabilities for each image file."""
-    from .data import read_image
-    from .evaluation import image_batch, image_files, input_notes, predict
-
-    model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
-    files = image_files(args.images)
-    _runtime_needs_optimize(args)
-    if args.precision == "int8":
-        model = _int8(model, args, image_batch(model, files), "the images being predicted")
-    elif args.optimize:
-        model = optimize(model, args.precision, runtime=args.runtime)
-    elif args.precision != "auto":
-        raise ValueError(
-            f"--precision {args.precision} with --no-optimize: the precision is the optimized copy's; "
-            "drop --no-optimize."
-        )
-    results = predict(model, files, args.top_k, progress=True, strict=args.strict)
-    for path, top in zip(files, results):
-        if top is None:  # unreadable: warned about, counted below
-            continue
-        print(f"{path}: " + ", ".join(f"{name} {100 * p:.1f}%" for name, p in top))
-        for note in input_notes(model, read_image(path)):
-            print(f"  note: {note}")
-    skipped = [str(path) for path, top in zip(files, results) if top is None]
-    if skipped and len(skipped) == len(files):
-        shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-        raise ValueError(f"nothing predicted: none of the {len(files)} file(s) is a readable image ({shown}).")
-    if skipped:
-        print(f"{len(skipped)} unreadable image file(s) skipped")
-    return 0
-
-
-def cmd_experiment(args: argparse.Namespace) -> int:
-    """Run one of the paper's experiments (resumable) and write its results JSON, table and plot."""
-    from .experiments import experiment
-
-    try:
-        result = experiment(
-            args.name,
-            preset=args.preset,
-            seeds=args.seeds,
-            out=args.out,
-            checkpoint=args.checkpoint,
-            threads=args.threads,
-            overwrite=args.overwrite,
-        )
-    except KeyboardInterrupt as e:
-        print(f"vitkit experiment: interrupted ({e or 'Ctrl-C'}); finished runs are kept.", file=sys.stderr)
-        return 130
-    print(result.files["table"].read_text())
-    print(
-        f"{result.trained} training run(s) and {result.measured} measurement(s) done in {result.seconds / 60:.1f} "
-        f"min; wrote {', '.join(str(p) for p in result.files.values())}"
-    )
-    return 0
-
-
 def _add_execution_options(p: argparse.ArgumentParser) -> None:
     """--device and --threads, described as TrainConfig describes them."""
     p.add_argument("--device", default="auto", help=field_help("device")[0] + "; default auto")
     p.add_argument("--threads", type=int, default=0, help=field_help("threads")[0] + "; default 0")
-
-
-def _placed(model, args: argparse.Namespace):
-    """The model on --device, with torch on --threads CPU threads."""
-    import torch
-
-    from .distributed import resolve_device
-
-    if args.threads < 0:
-        raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return model.to(resolve_device(args.device))
 
 
 # Other spellings of TrainConfig options, kept working for existing command lines.
@@ -502,14 +145,14 @@ def _add_models_command(sub) -> None:
     p = sub.add_parser("models", help="table of the model variants (paper Table 1) with params and GFLOPs")
     p.add_argument("--image-size", type=int, default=224, help="resolution for the GFLOPs column (default 224)")
     p.add_argument("--num-classes", type=int, default=1000, help="size of the head (default 1000)")
-    p.set_defaults(func=cmd_models)
+    p.set_defaults(func=commands.cmd_models)
 
 
 def _add_pretrained_command(sub) -> None:
     """`vitkit pretrained`."""
     p = sub.add_parser("pretrained", help="table of released weights by name (use a name as --checkpoint)")
     p.add_argument("--download", nargs="+", metavar="NAME", help="fetch these names into the cache for offline use")
-    p.set_defaults(func=cmd_pretrained)
+    p.set_defaults(func=commands.cmd_pretrained)
 
 
 def _add_convert_command(sub) -> None:
@@ -533,7 +176,7 @@ def _add_convert_command(sub) -> None:
     p.add_argument("--format", default="auto", choices=("auto", *formats.FORMATS), help="input format")
     _add_overwrite_option(p, "DST")
     _add_reading_options(p, images=False)
-    p.set_defaults(func=cmd_convert)
+    p.set_defaults(func=commands.cmd_convert)
 
 
 def _add_inspect_command(sub) -> None:
@@ -568,14 +211,14 @@ def _add_inspect_command(sub) -> None:
     _add_execution_options(p)
     _add_reading_options(p)
     _add_optimize_option(p)
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=commands.cmd_inspect)
 
 
 def _add_train_command(sub) -> None:
     """`vitkit train`."""
     p = sub.add_parser("train", help="train a ViT (default: a small ViT on Fashion-MNIST, the main job)")
     _add_train_options(p, {})
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=commands.cmd_train)
 
 
 def _add_finetune_command(sub) -> None:
@@ -588,7 +231,7 @@ def _add_finetune_command(sub) -> None:
         "few thousand images (a few epochs stop far short); --epochs counts epochs instead.",
     )
     _add_train_options(p, FINETUNE_DEFAULTS)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=commands.cmd_train)
 
 
 def _add_eval_command(sub) -> None:
@@ -625,7 +268,7 @@ def _add_eval_command(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the few-shot draws (default 0)")
     _add_reading_options(p)
     _add_optimize_option(p, runtime=True)
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=commands.cmd_eval)
 
 
 def _add_experiment_command(sub) -> None:
@@ -642,7 +285,7 @@ def _add_experiment_command(sub) -> None:
     p.add_argument("--checkpoint", help=f"pre-trained model (default {PRETRAINED}; tiny: a random stand-in)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
     _add_overwrite_option(p, "the experiment's results of another --preset, --seeds or --checkpoint")
-    p.set_defaults(func=cmd_experiment)
+    p.set_defaults(func=commands.cmd_experiment)
 
 
 def _add_data_command(sub) -> None:
@@ -658,7 +301,7 @@ def _add_data_command(sub) -> None:
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out for test without ROOT/val (0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the order the samples are written in (default 0)")
     _add_overwrite_option(p, "the files in OUT")
-    p.set_defaults(func=cmd_data_pack)
+    p.set_defaults(func=commands.cmd_data_pack)
 
 
 def _add_predict_command(sub) -> None:
@@ -679,7 +322,7 @@ def _add_predict_command(sub) -> None:
     _add_execution_options(p)
     _add_reading_options(p)
     _add_optimize_option(p, runtime=True)
-    p.set_defaults(func=cmd_predict)
+    p.set_defaults(func=commands.cmd_predict)
 
 
 def _add_bench_command(sub) -> None:
@@ -718,7 +361,7 @@ def _add_bench_command(sub) -> None:
     _add_execution_options(p)
     p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
     _add_overwrite_option(p, "--out and its plot")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=commands.cmd_bench)
 
 
 # The commands in the order `vitkit --help` lists them.
