@@ -309,3 +309,17 @@ def test_eval_runtime_openvino_gives_the_torch_copys_fp32_accuracy_and_needs_the
     assert "--runtime openvino with --no-optimize" in capsys.readouterr().err
     assert main([*args, "--runtime", "openvino", "--precision", "int8"]) == 2
     assert "int8 copy runs in torch; drop --runtime" in capsys.readouterr().err
+
+
+def test_runtime_auto_hands_over_to_openvino_only_for_work_that_pays_back_the_conversion():
+    import argparse
+
+    from vitkit.commands import OPENVINO_MIN_FLOP, _runtime
+
+    model = vitkit.create_model("ViT-S/16")
+    enough = int(OPENVINO_MIN_FLOP // vitkit.flops(model.config)) + 1  # about 300 images of 224 px
+    assert 200 < enough < 500
+    auto = argparse.Namespace(runtime="auto")
+    assert _runtime(auto, model, 1) == "torch" and _runtime(auto, model, enough) == "auto"
+    assert _runtime(argparse.Namespace(runtime="openvino"), model, 1) == "openvino"  # asked for by name: kept
+    assert _runtime(auto, vitkit.create_model("ViT-Ti/7", image_size=28, num_classes=10), 10_000) == "torch"

@@ -139,6 +139,20 @@ def _int8(model, args: argparse.Namespace, calibration, source: str):
     return optimize(model, "int8", calibration=calibration)
 
 
+# `--runtime auto` hands the model to OpenVINO only for work that pays back converting it (seconds, most of them
+# whatever the model): from this many FLOPs (images times the model's FLOPs per image), about 300 ViT-S/16 images.
+# Figures in docs/PERFORMANCE.md.
+OPENVINO_MIN_FLOP = 3e12
+
+
+def _runtime(args: argparse.Namespace, model, images: int) -> str:
+    """--runtime as given; "auto" stays "auto" (OpenVINO where it pays) for `images` images only when they are
+    `OPENVINO_MIN_FLOP` of work, else "torch"."""
+    if args.runtime != "auto" or images * flops(model.config) >= OPENVINO_MIN_FLOP:
+        return args.runtime
+    return "torch"
+
+
 def _runtime_needs_optimize(args: argparse.Namespace) -> None:
     if args.runtime != "auto" and not args.optimize:
         raise ValueError(
@@ -274,7 +288,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         precision = resolve_precision(args.precision, next(model.parameters()).device)
         if args.optimize:
-            model, precision = optimize(model, precision, runtime=args.runtime), "fp32"  # a bf16 copy: no autocast
+            runtime = _runtime(args, model, len(dataset))
+            model, precision = optimize(model, precision, runtime=runtime), "fp32"  # a bf16 copy: no autocast
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
@@ -311,7 +326,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.precision == "int8":
         model = _int8(model, args, image_batch(model, files), "the images being predicted")
     elif args.optimize:
-        model = optimize(model, args.precision, runtime=args.runtime)
+        model = optimize(model, args.precision, runtime=_runtime(args, model, len(files)))
     elif args.precision != "auto":
         raise ValueError(
             f"--precision {args.precision} with --no-optimize: the precision is the optimized copy's; "
