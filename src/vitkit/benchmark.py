@@ -2,7 +2,8 @@
 
 Inference images/s against resolution and batch size, the peak memory of each, the largest batch that fits a
 memory budget, and training-step images/s (forward, backward, AdamW), in fp32 and bf16, for the plain model
-and the copy `vitkit.optimize` makes. Beside every model figure the same rounds time the model's own largest
+and the copy `vitkit.optimize` makes with vitkit's own kernels (`runtime="torch"`; `vitkit.runtimes` times
+OpenVINO's). Beside every model figure the same rounds time the model's own largest
 matrix multiply (the first MLP layer, B*N x D times D x mlp_dim) in the same precision, and each model's
 FLOP/s is reported as a fraction of that rate: how close the model runs to what this machine's GEMM reaches.
 

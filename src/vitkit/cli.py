@@ -346,7 +346,8 @@ def _add_bench_command(sub) -> None:
         nargs="+",
         default=list(BENCH_MODES),
         choices=BENCH_MODES,
-        help="plain model(x) and/or the vitkit.optimize copy (default both)",
+        help="plain model(x) and/or the vitkit.optimize copy with vitkit's own kernels (default both; --compare "
+        "times OpenVINO's)",
     )
     p.add_argument("--no-train", dest="train", action="store_false", help="leave out the training step")
     p.add_argument("--compile", action="store_true", help="also time a torch.compile'd training step")
