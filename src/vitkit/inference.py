@@ -144,7 +144,8 @@ def openvino_available() -> bool:
 def openvino_pays(precision: str, device: torch.device) -> bool:
     """Whether `optimize` runs the model in OpenVINO by default: on an x86 CPU where OpenVINO is installed, in fp32
     and in bf16 where bf16 is native. Its CPU plugin fuses each attention into one kernel and picks its GEMM per
-    layer; it ran ViTs faster than vitkit's own kernels on every x86 CPU measured (docs/PERFORMANCE.md)."""
+    layer: on the x86 CPUs measured it ran ViTs faster than vitkit's own kernels in most cells and within a few
+    percent in the others (docs/PERFORMANCE.md)."""
     native = precision == "fp32" or (precision == "bf16" and machine.bf16_is_native("cpu"))
     return device.type == "cpu" and machine.x86() and native and openvino_available()
 
