@@ -117,15 +117,16 @@ def exported(config: vitkit.ViTConfig, name: str, directory: Path) -> Path:
 
 def contenders(
     config: vitkit.ViTConfig, name: str, batch: int, precision: str, kind: str, compile: bool, graphs: Path | None
-) -> dict:
-    """name -> a callable doing one batch of model `name` (of `config`); options that do not run here are left out
-    with a note. `graphs`: the directory of the exported ONNX graphs (None: no runtimes)."""
+) -> tuple[dict, str | None]:
+    """name -> a callable doing one batch of model `name` (of `config`), and what runs `vitkit.optimize`'s copy
+    ("openvino" or "torch"; None for training); options that do not run here are left out with a note. `graphs`:
+    the directory of the exported ONNX graphs (None: no runtimes)."""
     x = torch.randn(batch, 3, *config.image_size)
     bf16 = precision == "bf16"
     vit, timm, hf = vitkit.VisionTransformer(config), build_timm(config), build_hf(config)
     if kind == "train":
         return {"vitkit": train_runner(vit, x, bf16), "timm": train_runner(timm, x, bf16),
-                "HF": train_runner(hf, x, bf16)}  # fmt: skip
+                "HF": train_runner(hf, x, bf16)}, None  # fmt: skip
     for m in (vit, timm, hf):
         m.eval()
     with warnings.catch_warnings():
@@ -155,7 +156,7 @@ def contenders(
         runs |= {RUNTIMES[n]: (lambda run=run: run(array)) for n, run in runners.items()}
         for note in notes:
             print(f"  {note}", file=sys.stderr)
-    return runs
+    return runs, getattr(fast, "runtime", "torch")  # the copy that ran: "auto" falls back to torch on failure
 
 
 def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str, list[float]]:
@@ -280,13 +281,14 @@ def main() -> None:
                     for batch in (args.train_batches or args.batches) if kind == "train" else args.batches:
                         inference = kind == "inference"
                         runtimes = Path(graphs) if args.runtimes and inference else None
-                        runs = contenders(config, name, batch, precision, kind, args.compile and inference, runtimes)
+                        runs, optimized_runtime = contenders(
+                            config, name, batch, precision, kind, args.compile and inference, runtimes
+                        )
                         runs = {k: v for k, v in runs.items() if k not in args.skip}
                         rounds = args.rounds_large if batch >= 64 else args.rounds
                         cell = {"model": name, "batch": batch, "precision": precision, "kind": kind}
-                        if inference:  # what ran `vitkit.optimize`'s copy (its default, `runtime="auto"`)
-                            pays = vitkit.inference.openvino_pays(precision, torch.device("cpu"))
-                            cell["optimized_runtime"] = "openvino" if pays else "torch"
+                        if optimized_runtime:  # what ran `vitkit.optimize`'s copy (its default, runtime="auto")
+                            cell["optimized_runtime"] = optimized_runtime
                         result["rows"].append(
                             summarise({**cell, "rounds": measure(runs, rounds, args.min_seconds, batch)})
                         )

@@ -199,7 +199,8 @@ def optimize(
     precision = machine.resolve_precision(precision, device)
     torch_asked = pack is not None or compile  # options of vitkit's own kernels
     if runtime == "openvino" or (runtime == "auto" and not torch_asked and openvino_pays(precision, device)):
-        return typing.cast(VisionTransformer, _in_openvino(model, precision, runtime == "openvino", pack, compile))
+        in_openvino = _in_openvino(model, precision, device, runtime == "openvino", pack, compile)
+        return typing.cast(VisionTransformer, in_openvino)
     if precision == "bf16" and not machine.bf16_is_native(device):
         warnings.warn(
             f"bf16 is emulated on this {device.type} (no native bf16 instructions): it runs slower than fp32 here. "
@@ -295,12 +296,11 @@ class OpenVINOModel(InferenceCopy):
 
 
 def _in_openvino(
-    model: VisionTransformer, precision: str, asked: bool, pack: bool | None, compile: bool
+    model: VisionTransformer, precision: str, device: torch.device, asked: bool, pack: bool | None, compile: bool
 ) -> VisionTransformer | OpenVINOModel:
     """`optimize`'s OpenVINO copy; where OpenVINO was not `asked` for by name, any failure (with a warning) gives
     vitkit's own copy instead."""
     if asked:
-        device = next(model.parameters()).device
         if pack or compile:
             raise ValueError("runtime='openvino' with pack=True or compile=True: those are torch's; choose one.")
         if device.type != "cpu" or not openvino_available():
