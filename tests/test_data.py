@@ -55,6 +55,23 @@ def test_to_input_scales_to_minus_one_one_and_replicates_gray():
         to_input(torch.zeros(3, 8, 8))
 
 
+def test_rgb_photos_reach_a_one_channel_model_as_pillows_grayscale():
+    from PIL import Image
+    from skimage.data import chelsea
+
+    import vitkit
+    from vitkit.data import to_input
+
+    photo = chelsea()  # (300, 451, 3) uint8, a real photograph
+    gray = torch.from_numpy(np.asarray(Image.fromarray(photo).convert("L")).copy())[None]  # Pillow's luma
+    rgb = torch.from_numpy(photo).permute(2, 0, 1)
+    assert torch.equal(to_input(rgb, 32, in_chans=1), to_input(gray, 32, in_chans=1))
+    model = vitkit.create_model("ViT-Ti/8", num_classes=3, image_size=32, in_chans=1).eval()
+    assert model(to_input(rgb, 32, in_chans=1)).shape == (1, 3)
+    with pytest.raises(ValueError, match="3 channels and the model takes 4"):
+        to_input(rgb, 32, in_chans=4)
+
+
 # --- file-format loaders ------------------------------------------------------------------------------------
 
 

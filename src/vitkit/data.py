@@ -106,22 +106,36 @@ def _shape_mask(shape: str, xx: np.ndarray, yy: np.ndarray, box: tuple[int, int,
 def to_input(images: torch.Tensor, image_size: int | tuple[int, int] | None = None, in_chans: int = 3) -> torch.Tensor:
     """uint8 images (B, C, H, W) or (C, H, W) -> float model input in [-1, 1], as the official code feeds it.
 
-    Grayscale is replicated to `in_chans` channels; with `image_size` the images are resized to it (bilinear,
-    the official evaluation transform).
+    Grayscale is replicated to `in_chans` channels, and RGB made grayscale for a one-channel model (as Pillow's
+    `convert("L")`); with `image_size` the images are resized to it (bilinear, the official evaluation transform).
     """
     if images.dtype != torch.uint8:
         raise ValueError(f"expected uint8 images with values 0..255, got {images.dtype}.")
     x = images.unsqueeze(0) if images.ndim == 3 else images
     if x.ndim != 4:
         raise ValueError(f"expected images of shape (B, C, H, W) or (C, H, W), got {tuple(images.shape)}.")
+    if x.shape[1] == 3 and in_chans == 1:
+        x = to_grayscale(x)
     if x.shape[1] == 1 and in_chans != 1:
         x = x.expand(-1, in_chans, -1, -1)
+    if x.shape[1] != in_chans:
+        raise ValueError(
+            f"the images have {x.shape[1]} channels and the model takes {in_chans}: give it grayscale (1) or RGB "
+            "(3) images, or a model made for these (in_chans)."
+        )
     x = x.float() / 127.5 - 1.0
     if image_size is not None:
         size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         if tuple(x.shape[-2:]) != size:
             x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
     return x
+
+
+def to_grayscale(images: torch.Tensor) -> torch.Tensor:
+    """uint8 RGB (B, 3, H, W) -> uint8 (B, 1, H, W) by ITU-R 601-2 luma, rounded exactly as Pillow's `convert("L")`
+    rounds it, so that a file read as RGB and one read as grayscale give the same model input."""
+    r, g, b = images.to(torch.int32).unbind(1)
+    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8).unsqueeze(1)
 
 
 class ImageArrayDataset(Dataset):
