@@ -1,4 +1,5 @@
-"""The README and docs/: every relative link and image points to a file, and every #anchor to a heading."""
+"""The README and docs/: every relative link and image points to a file, every #anchor to a heading, and the
+snippets of the deploying section run and give vitkit's logits."""
 
 import re
 from pathlib import Path
@@ -40,3 +41,49 @@ def test_the_link_and_anchor_rules_find_what_the_readme_holds():
     assert "results-at-a-glance" in anchors(doc) and "quick-start" in anchors(doc)
     assert "docs/PERFORMANCE.md" in links(doc) and "docs/report-screenshot.png" in links(doc)
     assert "https://download.pytorch.org/whl/cpu" not in links(doc)
+
+
+def python_blocks(doc: Path, heading: str) -> list[str]:
+    """The ```python blocks of one section (from `heading` to the next heading of its level) of a markdown file."""
+    text = doc.read_text()
+    level = heading.split(" ")[0]
+    section = text.split(f"\n{heading}\n", 1)[1].split(f"\n{level} ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_chans", [3, 1], ids=["rgb", "grayscale"])
+def test_the_deploying_snippets_reproduce_vitkits_logits_on_photographs(in_chans, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("onnxscript", reason="ONNX export needs the optional onnx and onnxscript (dev extra)")
+    pytest.importorskip("onnxruntime", reason="the snippet runs the optional onnxruntime (dev extra)")
+    pytest.importorskip("openvino", reason="the snippet runs the optional openvino (dev extra)")
+    import torch
+    from PIL import Image
+    from skimage import data
+
+    import vitkit
+    from vitkit.augment import eval_batch
+    from vitkit.images import read_image
+
+    export, onnxruntime_block, openvino_block = python_blocks(ROOT / "docs/USAGE.md", "## Deploying")
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = vitkit.create_model("ViT-Ti/16", num_classes=3, image_size=(48, 64), in_chans=in_chans).eval()
+    torch.nn.init.normal_(model.head.weight)  # the head starts at zero, as the paper's: logits all 0
+    model.class_names = ["cat", "cup", "other"]
+    vitkit.export(model, "model.safetensors")
+    Image.fromarray(data.chelsea()).save("cat.jpg")  # 451x300, shrunk to 64x48
+    Image.fromarray(data.coffee()[::8, ::8]).save("coffee.jpg")  # 75x50, enlarged
+    with torch.no_grad():
+        reference = model(torch.cat([eval_batch(read_image(p), (48, 64), in_chans) for p in ("cat.jpg", "coffee.jpg")]))
+
+    def relative(logits) -> float:
+        return float((torch.from_numpy(logits) - reference).abs().max() / reference.abs().max())
+
+    namespace: dict = {}
+    exec(export, namespace)
+    exec(onnxruntime_block, namespace)
+    assert relative(namespace["logits"]) <= 1e-5
+    assert capsys.readouterr().out.strip() == str([model.class_names[i] for i in reference.argmax(1)])
+    exec(openvino_block, namespace)
+    assert relative(namespace["logits"]) <= 1e-4
