@@ -281,6 +281,24 @@ def write_small_digits(root, per_class: int = 6, size: int = 8) -> None:
                 Image.fromarray(pixels, mode="L").save(folder / f"{i}.png")
 
 
+def test_mirror_agreement_tells_digits_from_classes_that_look_alike_mirrored():
+    from sklearn.datasets import load_digits
+
+    from vitkit.data import ImageArrayDataset, mirror_agreement
+
+    digits = load_digits()  # 1,797 real 8x8 digits: mirrored, most are another digit or none
+    images = torch.from_numpy(np.round(digits.images * 255 / 16).astype(np.uint8))[:, None]
+    labels = torch.from_numpy(digits.target)
+    names = [str(d) for d in range(10)]
+    agreement = mirror_agreement(ImageArrayDataset(images, labels, names), [8, 8])
+    assert agreement is not None and agreement < 0.7
+    mirrored = torch.rand(len(labels), generator=torch.Generator().manual_seed(1)) < 0.5  # half of them, at random:
+    either_way = torch.where(mirrored[:, None, None, None], images.flip(-1), images)  # each class its own mirror
+    assert mirror_agreement(ImageArrayDataset(either_way, labels, names), [8, 8]) > 0.9
+    shuffled = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]
+    assert mirror_agreement(ImageArrayDataset(images, shuffled, names), [8, 8]) is None  # labels that say nothing
+
+
 def test_data_given_as_a_folder_is_an_image_folder_or_packed_shards(tmp_path):
     write_small_digits(tmp_path / "digits")
     assert data.locate(str(tmp_path / "digits")) == ("imagefolder", str(tmp_path / "digits"))

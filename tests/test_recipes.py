@@ -8,6 +8,7 @@ from vitkit.cli import build_parser
 from vitkit.commands import _train_config
 from vitkit.recipes import (
     FINETUNE_DEFAULTS,
+    MIRROR_FLIP,
     TrainConfig,
     build_optimizer,
     fit_patch,
@@ -140,10 +141,11 @@ def test_train_config_errors_name_the_bad_value():
         TrainConfig().replace(weight_decy=0.1)
 
 
-def image_survey(size, grayscale=False, own_size=False, data="imagefolder", augmentation=((0.05, 1.0), True)):
+def image_survey(size, grayscale=False, own_size=False, data="imagefolder", augmentation=((0.05, 1.0), True),
+                 mirror=None):  # fmt: skip
     """What `data.survey` says of a dataset, written out."""
     return {"data": data, "image_size": list(size), "grayscale": grayscale, "own_size": own_size,
-            "crop_scale": augmentation[0], "flip": augmentation[1]}  # fmt: skip
+            "crop_scale": augmentation[0], "flip": augmentation[1], "mirror": mirror}  # fmt: skip
 
 
 def test_fit_patch_is_a_4x4_grid_for_small_images_and_16_px_for_photographs():
@@ -151,10 +153,20 @@ def test_fit_patch_is_a_4x4_grid_for_small_images_and_16_px_for_photographs():
     assert fit_patch(30) == 6 and fit_patch(31) == 1  # a divisor always; a prime size has only 1 and itself
 
 
-def test_small_image_files_train_enlarged_near_32_px_without_crop_or_flip():
-    config, line = fit_to_data(TrainConfig(data="imagefolder"), image_survey((8, 8), grayscale=True))
+def test_small_image_files_train_enlarged_near_32_px_without_crop_and_flipped_where_alike_mirrored():
+    digits = image_survey((8, 8), grayscale=True, mirror=0.4)
+    config, line = fit_to_data(TrainConfig(data="imagefolder"), digits)
     assert (config.image_size, config.model, config.crop_scale, config.flip) == (32, "ViT-Ti/8", (1.0, 1.0), False)
-    assert line == "images 8x8 grayscale -> model ViT-Ti/8 at 32 px; crop off, flip off: small images"
+    assert (
+        line == "images 8x8 grayscale -> model ViT-Ti/8 at 32 px; crop off, flip off: small images, not alike mirrored"
+    )
+    silhouettes = image_survey((28, 28), grayscale=True, mirror=0.97)
+    config, line = fit_to_data(TrainConfig(data="imagefolder"), silhouettes)
+    assert (config.image_size, config.crop_scale, config.flip) == (28, (1.0, 1.0), True)
+    assert line.endswith("crop off, flip on: small images, alike mirrored")
+    assert fit_to_data(TrainConfig(), image_survey((28, 28), mirror=MIRROR_FLIP))[0].flip is True
+    config, line = fit_to_data(TrainConfig(), image_survey((28, 28)))  # the mirror test could not tell
+    assert config.flip is True and line.endswith("flip on: small images")
     assert fit_to_data(TrainConfig(), image_survey((28, 28)))[0].image_size == 28
     assert fit_to_data(TrainConfig(), image_survey((12, 10)))[0].image_size == 36  # 3 x the longer side
 

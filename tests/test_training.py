@@ -300,7 +300,8 @@ def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_record
     argv = ["train", "--data", str(tmp_path / "digits"), "--steps", "2", "--batch-size", "4", "--out-dir", str(run)]
     assert main([*argv, "--threads", "1"]) == 0
     assert (
-        "images 8x8 grayscale -> model ViT-Ti/8 at 32 px; crop off, flip off: small images" in capsys.readouterr().out
+        "images 8x8 grayscale -> model ViT-Ti/8 at 32 px; crop off, flip off: small images, not alike mirrored"
+        in capsys.readouterr().out
     )
     recorded = json.loads((run / "config.json").read_text())
     assert recorded["train"]["data"] == "imagefolder" and recorded["train"]["data_dir"] == str(tmp_path / "digits")

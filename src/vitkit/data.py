@@ -527,10 +527,47 @@ def own_size(dataset: object) -> tuple[int, int] | None:
 
 def survey(name: str, dataset: LabelledDataset) -> dict:
     """What `recipes.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), whether
-    the size is the dataset's `own_size` (else: image files), and the augmentation it asks for."""
+    the size is the dataset's `own_size` (else: image files), the augmentation it asks for, and for small image
+    files whether mirroring keeps their class (`mirror_agreement`; None otherwise)."""
+    from .recipes import SMALL_IMAGES
+
     crop_scale, flip = dataset_augmentation(dataset)
-    return {**describe(name, dataset), "own_size": own_size(dataset) is not None, "crop_scale": crop_scale,
-            "flip": flip}  # fmt: skip
+    seen = describe(name, dataset)
+    files = own_size(dataset) is None
+    small = files and seen["image_size"] is not None and max(seen["image_size"]) < SMALL_IMAGES
+    mirror = mirror_agreement(dataset, seen["image_size"]) if small else None
+    return {**seen, "own_size": not files, "crop_scale": crop_scale, "flip": flip, "mirror": mirror}
+
+
+MIRROR_PROBE = 1000  # images `mirror_agreement` reads: well under a second of decoding for small files
+
+
+def mirror_agreement(dataset: LabelledDataset, image_size: list[int], probe: int = MIRROR_PROBE) -> float | None:
+    """How much of a nearest-class-mean classifier's accuracy survives mirroring the images left to right: its
+    accuracy on mirrored held-out images over that on the images as they are, from `probe` images drawn with a
+    fixed seed (half for the class means, half held out). About 1 where the classes look the same mirrored
+    (silhouettes, clothes, photographs); well below where mirroring changes or breaks the class (digits, letters).
+    None where the classifier is too weak to tell (held-out accuracy under 1.5x chance)."""
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))[:probe].tolist()
+    read = {i: dataset[i] for i in sorted(order)}  # in file order: packed shards decode each row group once
+    samples = [read[i] for i in order]
+    samples = [(im, label) for im, label in samples if isinstance(im, torch.Tensor)]  # not the files that failed
+    if len(samples) < 4:
+        return None
+    x = torch.cat([to_input(im, tuple(image_size), 3) for im, _ in samples])  # (N, 3, H, W), in [-1, 1]
+    y = torch.tensor([label for _, label in samples])
+    half = len(y) // 2
+    classes = y[:half].unique()
+    means = torch.stack([x[:half][y[:half] == c].mean(0) for c in classes])  # (K, 3, H, W)
+
+    def accuracy(images: torch.Tensor) -> float:
+        nearest = torch.cdist(images.flatten(1), means.flatten(1)).argmin(1)
+        return float((classes[nearest] == y[half:]).float().mean())
+
+    plain = accuracy(x[half:])
+    if plain < 1.5 / len(classes):
+        return None
+    return accuracy(x[half:].flip(-1)) / plain
 
 
 def dataset_augmentation(dataset: object) -> tuple[tuple[float, float], bool]:

@@ -96,7 +96,11 @@ SMALL_IMAGES = 64  # image files whose longer side is below this are small: trai
 SMALL_TARGET = 32
 PHOTO_SIZE = 224  # larger image files: the paper's resolution, inception crop and flip
 PHOTO_AUGMENTATION = ((0.05, 1.0), True)
-SMALL_AUGMENTATION = ((1.0, 1.0), False)  # a crop or a flip of an 8 px digit is another digit, or none
+SMALL_CROP = (1.0, 1.0)  # a crop of an 8 px digit is another digit, or none
+# Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
+# of a nearest-class-mean classifier's accuracy (`data.mirror_agreement`). Digits keep about half or less, and a flip
+# costs them points; clothes and animal silhouettes keep nearly all, and a flip gains them points (docs/OWN_IMAGES.md).
+MIRROR_FLIP = 0.7
 
 
 def fit_patch(resolution: int) -> int:
@@ -126,7 +130,7 @@ def fit_to_data(config: TrainConfig, survey: dict[str, Any]) -> tuple[TrainConfi
 
     - A dataset that makes its images at one size (Fashion-MNIST, CIFAR, shapes): that size, its own augmentation.
     - Image files smaller than `SMALL_IMAGES` px: a whole multiple of their size near `SMALL_TARGET`, no crop,
-      no flip.
+      a flip where their classes look the same mirrored (`MIRROR_FLIP`).
     - Larger image files (photographs): the paper's 224 px, inception crop and flip.
     - The model: `DEFAULT_VARIANT` with a patch from `fit_patch`; a model given keeps its patch, and the
       resolution moves to the nearest one its patch stride divides.
@@ -136,7 +140,10 @@ def fit_to_data(config: TrainConfig, survey: dict[str, Any]) -> tuple[TrainConfi
     if survey["own_size"]:
         kind, size, augmentation = f"{survey['data']}'s own size", side, (survey["crop_scale"], survey["flip"])
     elif side < SMALL_IMAGES:
-        kind, size, augmentation = "small images", side * max(round(SMALL_TARGET / side), 1), SMALL_AUGMENTATION
+        mirror = survey.get("mirror")
+        flip = mirror is None or mirror >= MIRROR_FLIP  # no evidence either way: flip, as for photographs
+        kind = "small images" + ("" if mirror is None else f", {'' if flip else 'not '}alike mirrored")
+        size, augmentation = side * max(round(SMALL_TARGET / side), 1), (SMALL_CROP, flip)
     else:
         kind, size, augmentation = "photographs", PHOTO_SIZE, PHOTO_AUGMENTATION
     changes: dict[str, Any] = {}
