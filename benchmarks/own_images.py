@@ -1,8 +1,12 @@
-"""Defaults against hand-tuned options on a folder of small real images: scikit-learn's 1,797 digits (8x8
-grayscale, 10 classes) written as an image folder (train/ and val/, 80/20 per class), each run the same number
-of epochs. Writes a JSON record (machine, torch, date, commit, commands, accuracies) for docs/OWN_IMAGES.md.
+"""Defaults against hand-tuned options on folders of small real images, each run the same number of epochs:
+scikit-learn's 1,797 digits (8x8 grayscale, 10 classes), or Animal-MNIST's 10,000 animal silhouettes (28x28
+grayscale, 10 classes; the PyPI package `animal-mnist`, installed with --no-deps for its data alone), written as an
+image folder (train/ and val/, 80/20 per class). Writes a JSON record (machine, torch, date, commit, commands,
+accuracies) for docs/OWN_IMAGES.md.
 
     python benchmarks/own_images.py --out benchmarks/results/own-images-digits-<cpu>.json
+    pip install --no-deps animal-mnist==0.4
+    python benchmarks/own_images.py --dataset animal-mnist --out benchmarks/results/own-images-animal-mnist-<cpu>.json
 """
 
 from __future__ import annotations
@@ -31,26 +35,69 @@ HAND_TUNED = {
     "32 px, patch 8, no crop, flip": ["--image-size", "32", "--model", "ViT-Ti/8", "--crop-scale", "1", "1",
                                       "--flip", "true"],
 }  # fmt: skip
+# Animal silhouettes look alike mirrored, unlike digits: the defaults flip them.
+HAND_TUNED_ANIMALS = {
+    "28 px, patch 7, no crop, no flip": ["--image-size", "28", "--model", "ViT-Ti/7", *NO_AUG],
+    "28 px, patch 7, crop 0.5-1, flip": ["--image-size", "28", "--model", "ViT-Ti/7", "--crop-scale", "0.5", "1",
+                                         "--flip", "true"],
+}  # fmt: skip
+# Animal-MNIST's labels 0..9, in the order its description lists the classes.
+ANIMALS = ["bear", "bird", "cat", "cow", "dog", "elephant", "giraffe", "horse", "sheep", "zebra"]
 
 
-def write_digits(root: Path, val_fraction: float = 0.2, seed: int = 0) -> int:
-    """sklearn's digits as ROOT/{train,val}/<digit>/<n>.png (0..16 scaled to 0..255); returns the image count."""
+def write_folder(root: Path, images: np.ndarray, labels: np.ndarray, names: list[str], val_fraction: float = 0.2,
+                 seed: int = 0) -> int:  # fmt: skip
+    """uint8 images (N, H, W) as ROOT/{train,val}/<name>/<n>.png, `val_fraction` of each class in val/."""
     from PIL import Image
-    from sklearn.datasets import load_digits
 
-    digits = load_digits()
     rng = np.random.default_rng(seed)
-    for label in range(10):
-        index = np.flatnonzero(digits.target == label)
+    for label, name in enumerate(names):
+        index = np.flatnonzero(labels == label)
         rng.shuffle(index)
         n_val = round(val_fraction * len(index))
         for split, part in (("val", index[:n_val]), ("train", index[n_val:])):
-            folder = root / split / str(label)
+            folder = root / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for i in part:
-                pixels = np.round(digits.images[i] * 255 / 16).astype(np.uint8)
-                Image.fromarray(pixels, mode="L").save(folder / f"{i}.png")
-    return len(digits.target)
+                Image.fromarray(images[i], mode="L").save(folder / f"{i}.png")
+    return len(labels)
+
+
+def write_digits(root: Path) -> int:
+    """sklearn's digits (0..16, scaled to 0..255) as an image folder; returns the image count."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = np.round(digits.images * 255 / 16).astype(np.uint8)
+    return write_folder(root, pixels, digits.target, [str(d) for d in range(10)])
+
+
+def write_animals(root: Path) -> int:
+    """Animal-MNIST's images as an image folder; its pickles are read with numpy arrays alone allowed."""
+    import gzip
+    import importlib.util
+
+    from vitkit.data import safe_unpickle
+
+    spec = importlib.util.find_spec("animal_mnist")  # the package's folder, without running its code
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("Animal-MNIST is not installed: pip install --no-deps animal-mnist==0.4 (its data alone).")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "data" / "Animal_MNIST"
+    arrays = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("animal_data_version_3.gz", "animal_label_version_3.gz"):
+            plain = Path(tmp) / name.removesuffix(".gz")
+            plain.write_bytes(gzip.decompress((folder / name).read_bytes()))
+            arrays.append(np.asarray(safe_unpickle(plain)))
+    images, labels = arrays
+    return write_folder(root, images.astype(np.uint8), labels, ANIMALS)
+
+
+DATASETS = {
+    "digits": (write_digits, HAND_TUNED, "sklearn digits (1,797 8x8 grayscale images, 10 classes)"),
+    "animal-mnist": (write_animals, HAND_TUNED_ANIMALS,
+                     "Animal-MNIST (10,000 28x28 grayscale animal silhouettes, 10 classes)"),
+}  # fmt: skip
 
 
 def run(args: list[str], out_dir: Path) -> dict:
@@ -67,6 +114,7 @@ def run(args: list[str], out_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="digits", help="the images (default digits)")
     parser.add_argument("--out", help="JSON record to write")
     parser.add_argument("--epochs", default="20", help="epochs of every run (default 20, vitkit's default)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per setting (default 1)")
@@ -74,9 +122,13 @@ def main() -> None:
     parser.add_argument("--only-defaults", action="store_true", help="skip the hand-tuned runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "digits"
-        count = write_digits(root)
-        settings = {"defaults": []} if args.only_defaults else {"defaults": [], **HAND_TUNED}
+        write, hand_tuned, what = DATASETS[args.dataset]
+        root = Path(tmp) / args.dataset
+        count = write(root)
+        from vitkit.data import get_dataset, survey
+
+        mirror = survey(str(root), get_dataset(str(root), "train"))["mirror"]  # what the defaults' flip follows
+        settings = {"defaults": []} if args.only_defaults else {"defaults": [], **hand_tuned}
         results = {}
         for name, options in settings.items():
             runs = []
@@ -91,8 +143,10 @@ def main() -> None:
 
     record = {
         **record_header("own-images"),
-        "what": "sklearn digits (1,797 8x8 grayscale images, 10 classes) as an image folder, 80/20 train/val",
+        "dataset": args.dataset,
+        "what": f"{what} as an image folder, 80/20 train/val",
         "images": count,
+        "mirror_agreement": mirror,
         "settings": {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
         "precision": resolve_precision("auto"),
         "results": results,

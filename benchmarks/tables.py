@@ -333,7 +333,33 @@ def runtimes(records: list[dict]) -> str:
     return markdown(head, rows, right=6)
 
 
+def own_images(dataset: str) -> Callable[[list[dict]], str]:
+    """benchmarks/own_images.py on one dataset: the defaults against hand-tuned options, each setting from the
+    latest record that ran it."""
+
+    def table(records: list[dict]) -> str:
+        runs: dict[str, dict] = {}
+        for record in sorted(records, key=lambda r: str(r.get("date"))):
+            if record.get("benchmark") == "own-images" and record.get("dataset", "digits") == dataset:
+                for name, result in record["results"].items():
+                    runs[name] = {**result["runs"][0], "machine": label(record["machine"])}
+        rows = []
+        for name in sorted(runs, key=lambda n: n != "defaults"):  # the defaults first, then in the records' order
+            run = runs[name]
+            given = run["args"][run["args"].index("--threads") + 2 :]  # after the options common to every run
+            chosen = run["chosen"].split(" -> ", 1)[1].rsplit(":", 1)[0] if run["chosen"] else ""
+            options = f"`vitkit train --data {dataset}/` ({chosen})" if name == "defaults" else f"`{' '.join(given)}`"
+            top1 = f"{100 * run['test_top1']:.2f}%"
+            kind, top1 = ("**defaults**", f"**{top1}**") if name == "defaults" else ("hand-tuned", top1)
+            rows.append([kind, options, top1, f"{run['seconds']:.0f} s"])
+        return markdown(["run", "options", "test top-1", "wall time"], rows, right=2)
+
+    return table
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "own-images-digits": own_images("digits"),
+    "own-images-animal-mnist": own_images("animal-mnist"),
     "deploy": deploy,
     "runtimes": runtimes,
     "inference": inference,
