@@ -348,6 +348,7 @@ del first; gc.collect()
 del second; gc.collect()
 signal.signal(signal.SIGCHLD, lambda *_: None)
 subprocess.run(["true"], check=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, even where the parent's shell ignored SIGINT
 try:
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(10)
