@@ -26,11 +26,8 @@ data:
 demo: setup data
 	$(VENV)/bin/vitkit train
 
-# Two processes, the second from a fresh interpreter: the whole suite in one process has ended in a segmentation
-# fault at a test that passes in every smaller run, so no process accumulates the state of all the others.
 test: setup
-	$(PY) -m pytest --ignore-glob='tests/test_[m-z]*.py'
-	$(PY) -m pytest tests/test_[m-z]*.py
+	$(PY) -m pytest
 
 # Everything but the tests marked slow (training runs, the trained-model reports, big variants, fuzzing, the
 # SIGKILL loop, the soak run): under a minute of CPU.

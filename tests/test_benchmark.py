@@ -247,7 +247,7 @@ def test_bench_compare_runs_a_checkpoint_in_both_runtimes_beside_optimize(tmp_pa
         assert f"{r['batch']:>5} fp32 {r['contender']:<17}{r['images_per_s']:>10.2f}" in printed
     for batch in (1, 3):
         cell = [r["ratio_to_fastest"] for r in data["rows"] if r["batch"] == batch and r["precision"] == "bf16"]
-        assert cell and max(cell) == 1.0
+        assert 1.0 in cell  # the fastest's; another's median of round ratios can pass 1 where two rounds disagree
     assert not any(r["contender"] == "onnxruntime" for r in data["rows"] if r["precision"] == "bf16")
     assert any("onnxruntime: no bf16 path" in note for note in data["notes"])
 

@@ -1,12 +1,16 @@
 import contextlib
 import copy
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 import vitkit
+from helpers import SRC
 from vitkit import inference as opt
 from vitkit import machine
 from vitkit.inference import PackedLinear, optimize
@@ -330,6 +334,36 @@ def test_openvino_bf16_copy_is_within_bf16_rounding_of_the_model():
     error = (fast(x) - want).abs().max()
     assert 0 < error <= 0.03 * want.abs().max()  # rounded (so bf16 really ran), within a few percent of the scale
     assert error <= 2 * (autocast - want).abs().max() + 0.01 * want.abs().max()
+
+
+# A child process, since what it checks is the process's: its main thread's alternate signal stack, which OpenVINO's
+# CPU plugin swaps (see `openvino_core`). Two OpenVINO copies are freed in the order they were made, then Python signal
+# handlers run on that thread: a SIGCHLD one, as torch's DataLoader installs, as a child exits; then Ctrl-C's.
+SIGNALS_AFTER_OPENVINO = """
+import gc, os, signal, subprocess, time, vitkit
+model = vitkit.create_model("ViT-Ti/8", hidden_size=32, num_layers=1, mlp_dim=64, num_heads=4, image_size=32).eval()
+first = vitkit.optimize(model, "fp32", runtime="openvino")
+second = vitkit.optimize(model, "fp32", runtime="openvino")
+del first; gc.collect()
+del second; gc.collect()
+signal.signal(signal.SIGCHLD, lambda *_: None)
+subprocess.run(["true"], check=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, even where the parent's shell ignored SIGINT
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+"""
+
+
+@pytest.mark.slow
+def test_signals_are_handled_after_openvino_copies_are_freed_in_the_order_they_were_made():
+    needs_openvino()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}  # torch's own number of threads: at one, the copy's batch check fails
+    out = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_OPENVINO], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["KeyboardInterrupt"], (out.returncode, out.stderr[-2000:])
+    assert opt.openvino_core() is opt.openvino_core()
 
 
 def test_auto_runs_openvino_exactly_where_it_pays_and_never_with_torchs_options(monkeypatch):

@@ -28,6 +28,7 @@ and an explicit `"bf16"` warns.
 from __future__ import annotations
 
 import copy
+import functools
 import typing
 import warnings
 
@@ -139,6 +140,19 @@ def openvino_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def openvino_core() -> typing.Any:
+    """The one `openvino.Core` that vitkit compiles with, kept for the life of the process. OpenVINO's CPU plugin
+    (one per Core) gives the thread that makes it an alternate signal stack of its own, and on its destruction unmaps
+    it and puts back the one it found, but only where its own is still the thread's: two Cores destroyed in the order
+    they were made leave the thread on the unmapped stack of the first (OpenVINO 2026.4). The next signal handler to
+    run on that thread (Python's own for Ctrl-C, torch's SIGCHLD one of DataLoader workers) then ends the process
+    with a segmentation fault; one Core that is never destroyed early never hands the thread such a stack."""
+    import openvino
+
+    return openvino.Core()
 
 
 def openvino_pays(precision: str, device: torch.device) -> bool:
@@ -339,7 +353,7 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
         "INFERENCE_NUM_THREADS": torch.get_num_threads(),
         "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
     }
-    core = openvino.Core()
+    core = openvino_core()
     batched = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "THROUGHPUT"})
     # Single images with the shape fixed at one image, which the plugin plans for; not the hybrid (or any CNN stem),
     # whose graph OpenVINO's CPU plugin (2026.4) crashes on compiling with a fixed shape.

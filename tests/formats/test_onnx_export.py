@@ -12,6 +12,7 @@ import vitkit
 from helpers import perturbed, tiny
 from vitkit.cli import main
 from vitkit.formats import onnx as onnx_format
+from vitkit.inference import openvino_core
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs the optional dependency onnx (dev extra)")
 pytest.importorskip("onnxscript", reason="ONNX export needs the optional dependency onnxscript (dev extra)")
@@ -30,8 +31,8 @@ def onnxruntime_logits(path, x: torch.Tensor) -> np.ndarray:
 
 
 def openvino_logits(path, x: torch.Tensor) -> np.ndarray:
-    ov = pytest.importorskip("openvino", reason="the OpenVINO check needs the optional openvino (dev extra)")
-    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    pytest.importorskip("openvino", reason="the OpenVINO check needs the optional openvino (dev extra)")
+    compiled = openvino_core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     return compiled(x.numpy())[0]
 
 
