@@ -305,6 +305,24 @@ def test_openvino_copy_gives_the_models_logits_at_any_batch_size(overrides):
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_openvino_copy_made_with_one_thread_runs_batches(monkeypatch):
+    """One torch thread (OMP_NUM_THREADS=1) gives one throughput stream: batches still go to the batch copy, not
+    to the single-image one, whose shape is fixed at one image."""
+    needs_openvino()
+    model = small_model()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fast = optimize(model, "fp32", runtime="openvino")
+    finally:
+        torch.set_num_threads(threads)
+    assert fast.streams == 1
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        want = model(x)
+        assert (fast(x) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ViT-B/16", "R50+ViT-B/16"])
 def test_openvino_copy_of_the_paper_variants_and_the_hybrid_gives_their_logits(name):

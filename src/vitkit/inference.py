@@ -294,7 +294,7 @@ class OpenVINOModel(InferenceCopy):
         if x.device.type != "cpu":
             raise ValueError(f"the OpenVINO copy runs on the CPU; the images are on {x.device}: pass them with .cpu().")
         array = x.detach().to(torch.float32).contiguous().numpy()
-        if len(array) == 1 or self.streams == 1:
+        if len(array) == 1:  # the single-image copy, whose shape may be fixed at one image
             return torch.from_numpy(self.request.infer([array], share_inputs=True)[0])  # a fresh array
         parts = np.array_split(array, min(len(array), self.streams))  # rows of a contiguous array: contiguous
         for request, part in zip(self.requests, parts):
