@@ -554,7 +554,8 @@ def mirror_agreement(dataset: LabelledDataset, image_size: list[int], probe: int
     samples = [(im, label) for im, label in samples if isinstance(im, torch.Tensor)]  # not the files that failed
     if len(samples) < 4:
         return None
-    x = torch.cat([to_input(im, tuple(image_size), 3) for im, _ in samples])  # (N, 3, H, W), in [-1, 1]
+    size = (image_size[0], image_size[1])
+    x = torch.cat([to_input(im, size, 3) for im, _ in samples])  # (N, 3, H, W), in [-1, 1]
     y = torch.tensor([label for _, label in samples])
     half = len(y) // 2
     classes = y[:half].unique()
