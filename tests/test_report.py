@@ -14,7 +14,7 @@ from helpers import tiny
 from shapes_vit import trained_shapes_vit
 from vitkit import analysis as vi
 from vitkit.cli import main
-from vitkit.data import ShapesDataset
+from vitkit.data import ShapesDataset, get_dataset
 from vitkit.model import VisionTransformer
 from vitkit.report import OCCLUSION_CAPTIONS, Samples, dataset_samples, load_images, write_report
 
@@ -129,11 +129,20 @@ def test_report_of_a_headless_backbone_says_occlusion_measures_its_features(tmp_
 
 def test_dataset_samples_scale_object_boxes_to_a_non_square_model():
     samples = dataset_samples("shapes", 3, tiny(image_size=(32, 64)))
-    rendered = ShapesDataset(size=3, image_size=32, split="test")
+    rendered = get_dataset("shapes", "test", image_size=32)
+    spread = [0, round((len(rendered) - 1) / 2), len(rendered) - 1]  # first, middle, last: spread over the split
     assert samples.images.shape == (3, 3, 32, 64)
-    assert samples.boxes == [(2 * x0, y0, 2 * x1, y1) for x0, y0, x1, y1 in map(rendered.box, range(3))]
-    assert samples.labels == [rendered[i][1] for i in range(3)]
+    assert samples.boxes == [(2 * x0, y0, 2 * x1, y1) for x0, y0, x1, y1 in map(rendered.box, spread)]
+    assert samples.labels == [rendered[i][1] for i in spread]
     assert samples.titles[0] == f"#0: {ShapesDataset.classes[samples.labels[0]]}"
+
+
+def test_dataset_samples_of_a_folder_sorted_by_class_show_every_class(tmp_path):
+    from test_data import write_small_digits
+
+    write_small_digits(tmp_path / "digits")  # val/left/*.png then val/right/*.png
+    samples = dataset_samples(str(tmp_path / "digits"), 2, tiny(image_size=(8, 8)))
+    assert [t.split(": ")[1] for t in samples.titles] == ["left", "right"]
 
 
 @pytest.mark.slow

@@ -195,9 +195,8 @@ def _add_inspect_command(sub) -> None:
     source.add_argument(
         "--data",
         default="shapes",
-        choices=datasets,
         metavar="DATA",
-        help=f"dataset to take images from ({'|'.join(datasets)}); default shapes",
+        help=f"dataset to take images from ({'|'.join(datasets)}), or a folder of images or shards; default shapes",
     )
     p.add_argument("--samples", type=int, default=8, help="images from --data (default 8)")
     p.add_argument("--split", default="test", choices=("train", "test"), help="split of --data (default test)")

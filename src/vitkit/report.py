@@ -70,8 +70,9 @@ def load_images(paths: Sequence[str | os.PathLike], model: VisionTransformer, st
 
 
 def dataset_samples(name: str, count: int, model: VisionTransformer, split: str = "test") -> Samples:
-    """The first `count` samples of a dataset's split, at the model's resolution, with labels and (where the
-    dataset knows them, as `shapes` does) object boxes scaled to the model's pixels.
+    """`count` samples spread evenly over a dataset's split (a name, or a folder: `data.locate`), so that a folder
+    sorted by class shows several classes, at the model's resolution, with labels and (where the dataset knows
+    them, as `shapes` does) object boxes scaled to the model's pixels.
 
     A dataset that can render at any resolution (`shapes`) is rendered at the model's; others are resized.
     """
@@ -82,7 +83,8 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
         kwargs["image_size"] = model.config.image_size[0]
     dataset = get_dataset(name, split, **kwargs)
     count = min(count, len(dataset))
-    raw = [dataset[i] for i in range(count)]
+    indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
+    raw = [dataset[i] for i in indices]
     skipped: SkipLog = getattr(dataset, "skipped", SkipLog())
     for image, _ in raw:
         if isinstance(image, ImageError):  # an image file that failed to decode: logged, left out
@@ -96,7 +98,7 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
     if hasattr(dataset, "box"):
         (h, w), (sh, sw) = model.config.image_size, raw[0][0].shape[-2:]
         boxes = []
-        for i in range(count):
+        for i in indices:
             x0, y0, x1, y1 = dataset.box(i)
             boxes.append((round(x0 * w / sw), round(y0 * h / sh), round(x1 * w / sw), round(y1 * h / sh)))
     return Samples(images, titles, labels, boxes)
