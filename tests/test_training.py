@@ -1,6 +1,7 @@
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -281,12 +282,25 @@ def test_every_dataset_gets_a_model_that_fits_it_from_its_name_alone(tmp_path):
         assert logits.shape == (2, len(dataset.classes)), name
 
 
+def test_time_left_is_the_pace_so_far_in_seconds_minutes_or_hours():
+    from vitkit.training import time_left
+
+    assert time_left(10.0, 5, 20) == "40 s"
+    assert time_left(60.0, 4, 52) == "13 min"
+    assert time_left(21.0, 4, 496) == "43 min" and time_left(20.0, 4, 1200) == "1.7 h"
+    assert time_left(21.0, 1, 536) == "3.1 h"
+    assert time_left(5.0, 2, 0) == "" and time_left(0.0, 0, 10) == ""
+
+
 @pytest.mark.slow
 def test_train_with_only_data_given_trains_the_shapes(tmp_path, capsys):
-    assert main(["train", "--data", "shapes", "--steps", "2", "--out-dir", str(tmp_path / "run")]) == 0
-    assert "images 64x64 colour -> model ViT-Ti/16 at 64 px; crop 0.05-1, flip on: shapes's own size" in (
-        capsys.readouterr().out
-    )
+    argv = ["train", "--data", "shapes", "--steps", "4", "--eval-every", "0.1", "--out-dir", str(tmp_path / "run")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "images 64x64 colour -> model ViT-Ti/16 at 64 px; crop 0.05-1, flip on: shapes's own size" in out
+    evaluations = [line for line in out.splitlines() if line.startswith("step ")]
+    assert re.fullmatch(r"step 2/4 .*%  about \d+ s left", evaluations[0])  # the pace of the first 2 steps
+    assert evaluations[-1].startswith("step 4/4 ") and evaluations[-1].endswith("%")  # nothing left to say
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert recorded["model"]["patch_size"] == [16, 16] and recorded["model"]["image_size"] == [64, 64]
 

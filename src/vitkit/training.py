@@ -286,6 +286,7 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
     )
     state.model.train()
     stop.stepping = True
+    start, first_step = time.perf_counter(), state.step
     if config.compile:
         stop.notice = f"stopping after step {state.step + 1}, once the model has compiled (a while), with a checkpoint"
     try:
@@ -305,9 +306,10 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
             if state.step % plan.eval_interval == 0 or state.step == plan.total:
                 final = run_evaluation(state, test_set)
                 if world.is_main:
+                    left = time_left(time.perf_counter() - start, state.step - first_step, plan.total - state.step)
                     bar.write(
                         f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
-                        f"top-5 {100 * final.top5:.2f}%"
+                        f"top-5 {100 * final.top5:.2f}%" + (f"  about {left} left" if left else "")
                     )
                 save_checkpoint(state)
             if any_process(stop.requested or (stop_after is not None and state.step >= stop_after), world):
@@ -318,6 +320,15 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
     finally:
         bar.close()
     return final, interrupted
+
+
+def time_left(seconds: float, done: int, left: int) -> str:
+    """The time the `left` steps take at the pace of the `done` ones (which took `seconds`, evaluations included):
+    "40 s", "13 min", "3.1 h"; "" when nothing is left or nothing is done yet."""
+    if left <= 0 or done <= 0:
+        return ""
+    eta = seconds / done * left
+    return f"{eta:.0f} s" if eta < 90 else f"{eta / 60:.0f} min" if eta < 90 * 60 else f"{eta / 3600:.1f} h"
 
 
 @dataclass(frozen=True)
