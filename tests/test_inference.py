@@ -305,7 +305,7 @@ def test_openvino_copy_gives_the_models_logits_at_any_batch_size(overrides):
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_openvino_copy_made_with_one_thread_runs_batches(monkeypatch):
+def test_openvino_copy_made_with_one_thread_runs_batches():
     """One torch thread (OMP_NUM_THREADS=1) gives one throughput stream: batches still go to the batch copy, not
     to the single-image one, whose shape is fixed at one image."""
     needs_openvino()
@@ -378,7 +378,7 @@ except KeyboardInterrupt:
 @pytest.mark.slow
 def test_signals_are_handled_after_openvino_copies_are_freed_in_the_order_they_were_made():
     needs_openvino()
-    env = {**os.environ, "PYTHONPATH": str(SRC)}  # torch's own number of threads: at one, the copy's batch check fails
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
     out = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_OPENVINO], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.split() == ["KeyboardInterrupt"], (out.returncode, out.stderr[-2000:])
     assert opt.openvino_core() is opt.openvino_core()
