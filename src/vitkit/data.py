@@ -539,7 +539,7 @@ def survey(name: str, dataset: LabelledDataset) -> dict:
     return {**seen, "own_size": not files, "crop_scale": crop_scale, "flip": flip, "mirror": mirror}
 
 
-MIRROR_PROBE = 1000  # images `mirror_agreement` reads: well under a second of decoding for small files
+MIRROR_PROBE = 1000  # images `mirror_agreement` reads: about a second of decoding for small files
 
 
 def mirror_agreement(dataset: LabelledDataset, image_size: list[int], probe: int = MIRROR_PROBE) -> float | None:
