@@ -306,9 +306,14 @@ def test_train_with_only_data_given_trains_the_shapes(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_records_what_was_used(tmp_path, capsys):
+def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_records_what_was_used(
+    tmp_path, capsys, monkeypatch
+):
     from test_data import write_small_digits
+    from vitkit import data
 
+    mirror_tests = []  # the mirror test reads a thousand images: once a run, and not at all for a flip given
+    monkeypatch.setattr(data, "mirror_agreement", lambda *a, **k: mirror_tests.append(1) or 0.0)
     write_small_digits(tmp_path / "digits")
     run = tmp_path / "run"
     argv = ["train", "--data", str(tmp_path / "digits"), "--steps", "2", "--batch-size", "4", "--out-dir", str(run)]
@@ -322,9 +327,11 @@ def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_record
     assert recorded["data_source"] == str(tmp_path / "digits")
     assert (recorded["train"]["model"], recorded["train"]["image_size"]) == ("ViT-Ti/8", 32)
     assert recorded["augment"]["crop_scale"] == [1.0, 1.0] and recorded["augment"]["flip"] is False
+    assert len(mirror_tests) == 1
     # An option given wins, and is said to be given.
     assert main([*argv[:-1], str(tmp_path / "given"), "--image-size", "16", "--flip", "--threads", "1"]) == 0
     assert "model ViT-Ti/4 at 16 px (given); crop off, flip on (given): small images" in capsys.readouterr().out
+    assert len(mirror_tests) == 1
 
 
 def test_a_data_dir_without_the_dataset_stops_the_run_before_it_records_anything(tmp_path, capsys, monkeypatch):

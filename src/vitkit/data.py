@@ -525,18 +525,19 @@ def own_size(dataset: object) -> tuple[int, int] | None:
     return None
 
 
-def survey(name: str, dataset: LabelledDataset) -> dict:
+def survey(name: str, dataset: LabelledDataset, mirror: bool = True) -> dict:
     """What `recipes.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), whether
-    the size is the dataset's `own_size` (else: image files), the augmentation it asks for, and for small image
-    files whether mirroring keeps their class (`mirror_agreement`; None otherwise)."""
+    the size is the dataset's `own_size` (else: image files), the augmentation it asks for, and with `mirror`, for
+    small image files, whether mirroring keeps their class (`mirror_agreement`; None otherwise). The mirror test
+    reads a thousand images: ask for it only where the flip is left to the defaults."""
     from .recipes import SMALL_IMAGES
 
     crop_scale, flip = dataset_augmentation(dataset)
     seen = describe(name, dataset)
     files = own_size(dataset) is None
     small = files and seen["image_size"] is not None and max(seen["image_size"]) < SMALL_IMAGES
-    mirror = mirror_agreement(dataset, seen["image_size"]) if small else None
-    return {**seen, "own_size": not files, "crop_scale": crop_scale, "flip": flip, "mirror": mirror}
+    agreement = mirror_agreement(dataset, seen["image_size"]) if small and mirror else None
+    return {**seen, "own_size": not files, "crop_scale": crop_scale, "flip": flip, "mirror": agreement}
 
 
 MIRROR_PROBE = 1000  # images `mirror_agreement` reads: about a second of decoding for small files

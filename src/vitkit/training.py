@@ -126,7 +126,7 @@ def initial_model(config: TrainConfig, dataset) -> Model:
     """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
     the new resolution, a new zero-initialised head). The config's data-dependent defaults are fitted to the
     dataset first (`recipes.fit_to_data`; nothing to do for a config that `train` has fitted)."""
-    config = fit_to_data(config, survey(config.data, dataset))[0]
+    config = fit_to_data(config, survey(config.data, dataset, mirror=config.flip is None))[0]
     num_classes = len(dataset.classes)
     if config.checkpoint is not None:
         structural = {k: v for k, v in config.model_args.items() if k in ARCHITECTURE_FIELDS}
@@ -248,7 +248,7 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
     if saved is None:  # what config.json records: the model, resolution and augmentation chosen for this data
-        config, chosen = fit_to_data(config, survey(config.data, train_set))
+        config, chosen = fit_to_data(config, survey(config.data, train_set, mirror=config.flip is None))
         if world.is_main:
             print(chosen, flush=True)
     model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
