@@ -342,7 +342,7 @@ def own_images(dataset: str) -> Callable[[list[dict]], str]:
         for record in sorted(records, key=lambda r: str(r.get("date"))):
             if record.get("benchmark") == "own-images" and record.get("dataset", "digits") == dataset:
                 for name, result in record["results"].items():
-                    runs[name] = {**result["runs"][0], "machine": label(record["machine"])}
+                    runs[name] = result["runs"][0]
         rows = []
         for name in sorted(runs, key=lambda n: n != "defaults"):  # the defaults first, then in the records' order
             run = runs[name]

@@ -495,6 +495,11 @@ def pack_image_folder(
     )
 
 
+def spread_indices(length: int, count: int) -> list[int]:
+    """`count` indices (at most `length`) spread evenly over `range(length)`, its first and last among them."""
+    return np.linspace(0, length - 1, min(count, length)).round().astype(int).tolist()
+
+
 def describe(name: str, dataset: LabelledDataset, probe: int = 16) -> dict:
     """What a model trained on `dataset` has seen, for `predict` to notice inputs unlike it: the dataset's
     `name`, whether its images are `grayscale` (one channel, or three equal ones) and their typical
@@ -503,8 +508,7 @@ def describe(name: str, dataset: LabelledDataset, probe: int = 16) -> dict:
     if isinstance(dataset, ImageArrayDataset):
         images = dataset.images[:probe]
     else:
-        spread = np.linspace(0, len(dataset) - 1, min(probe, len(dataset))).round().astype(int)
-        probed = [dataset[int(i)][0] for i in np.unique(spread)]
+        probed = [dataset[i][0] for i in spread_indices(len(dataset), probe)]
         images = [im for im in probed if isinstance(im, torch.Tensor)]  # not the files that failed to decode
     if not len(images):
         return {"data": name, "grayscale": False, "image_size": None}

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from . import analysis as vi
-from .data import DATASETS, get_dataset, to_input
+from .data import DATASETS, get_dataset, spread_indices, to_input
 from .errors import ImageError
 from .files import atomic_write, refuse_overwrite
 from .images import SkipLog, read_image
@@ -82,8 +82,7 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
     if name in DATASETS and "image_size" in signature(DATASETS[name]).parameters:
         kwargs["image_size"] = model.config.image_size[0]
     dataset = get_dataset(name, split, **kwargs)
-    count = min(count, len(dataset))
-    indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
+    indices = spread_indices(len(dataset), count)
     raw = [dataset[i] for i in indices]
     skipped: SkipLog = getattr(dataset, "skipped", SkipLog())
     for image, _ in raw:
