@@ -68,6 +68,23 @@ def test_bench_int8_times_the_optimized_copy_alone_and_says_what_it_calibrated_o
     assert "inference" in row and "optimized" in row and float(row.split()[5]) > 0  # images/s
 
 
+def test_bench_times_a_checkpoints_own_architecture_at_its_own_resolution(tmp_path, capsys):
+    model = tiny(image_size=24, in_chans=1)  # neither bench's default resolution nor its default channels
+    vitkit.export(model, tmp_path / "m.safetensors")
+    out = tmp_path / "bench.json"
+    args = ["bench", "--checkpoint", str(tmp_path / "m.safetensors"), "--batch-size", "2", "--precision", "fp32",
+            "--mode", "plain", "--no-train", "--rounds", "1", "--min-seconds", "0", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == str(tmp_path / "m.safetensors")
+    assert vitkit.ViTConfig.from_dict(result["config"]) == model.config
+    assert {r["image_size"] for r in result["rows"]} == {24}
+    args = ["bench", "--checkpoint", str(tmp_path / "m.safetensors"), "--model", "ViT-Ti/16"]
+    with pytest.raises(SystemExit):  # one or the other
+        main(args)
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_bench_rejects_an_unknown_precision_with_the_choices():
     with pytest.raises(ValueError, match="choose from fp32, bf16"):
         vitkit.bench("ViT-Ti/8", precisions=("fp16",), progress=False)
@@ -227,7 +244,7 @@ def test_bench_compare_runs_a_checkpoint_in_both_runtimes_beside_optimize(tmp_pa
     model = perturbed(tiny())
     vitkit.export(model, tmp_path / "m.safetensors")
     out = tmp_path / "compare.json"
-    args = ["bench", "--compare", "--model", str(tmp_path / "m.safetensors"), "--image-size", "32", "--batch-size",
+    args = ["bench", "--compare", "--checkpoint", str(tmp_path / "m.safetensors"), "--batch-size",
             "1", "3", "--precision", "fp32", "bf16", "--rounds", "2", "--min-seconds", "0",
             "--out", str(out)]  # fmt: skip
     assert main(args) == 0

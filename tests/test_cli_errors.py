@@ -1,6 +1,8 @@
 """Config and CLI: every invalid option value is one line on stderr naming the option and what is allowed, with
 exit status 2, never a traceback; names suggest the closest; sizes suggest valid ones."""
 
+import sys
+
 import pytest
 import torch
 
@@ -107,6 +109,17 @@ def test_invalid_values_of_other_commands_are_one_line_errors(capsys, checkpoint
     status, err = run_cli([checkpoint if a == "CKPT" else a for a in argv], capsys)
     assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert message in err, err
+
+
+@pytest.mark.parametrize("missing", ["onnx", "onnxscript"])
+def test_a_missing_optional_package_is_one_line_naming_its_install(
+    tmp_path, capsys, checkpoint, monkeypatch, missing
+):
+    monkeypatch.setitem(sys.modules, missing, None)  # `import` of it then raises ImportError, installed or not
+    status, err = run_cli(["convert", checkpoint, str(tmp_path / "m.onnx"), "--to", "onnx"], capsys)
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "vitkit convert: error: ONNX export needs the onnx and onnxscript packages" in err
+    assert "vitkit[onnx]" in err and not (tmp_path / "m.onnx").exists()
 
 
 def test_overrides_that_change_a_checkpoints_architecture_name_the_fields(checkpoint):

@@ -328,9 +328,17 @@ def _add_predict_command(sub) -> None:
 def _add_bench_command(sub) -> None:
     """`vitkit bench`."""
     p = sub.add_parser("bench", help="images/s, FLOP/s against the machine's matmul rate, memory (paper Fig. 12)")
-    p.add_argument("--model", default="ViT-B/16", help="variant name (default ViT-B/16)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", help="variant name (default ViT-B/16)")
+    which.add_argument(
+        "--checkpoint",
+        help="instead: a model file (any load_checkpoint format) or pretrained name; its architecture is timed, at "
+        "its own resolution unless --image-size (with --compare, its weights too)",
+    )
     p.add_argument("--model-args", type=_mapping, default={}, metavar="JSON|K=V,...", help="ViTConfig overrides")
-    p.add_argument("--image-size", type=int, nargs="+", default=[224], help="resolutions (default 224)")
+    p.add_argument(
+        "--image-size", type=int, nargs="+", help="resolutions (default 224, or the checkpoint's resolution)"
+    )
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     p.add_argument(
         "--precision",
@@ -356,8 +364,7 @@ def _add_bench_command(sub) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="instead: vitkit.optimize against ONNX Runtime and OpenVINO on the same weights, side by side "
-        "(--model may then be a checkpoint)",
+        help="instead: vitkit.optimize against ONNX Runtime and OpenVINO on the same weights, side by side",
     )
     _add_execution_options(p)
     p.add_argument("--out", help="JSON file to write; the plot goes beside it as .png")
@@ -411,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (
         ValueError,
+        ImportError,  # an optional dependency the command needs; its message names the package to install
         FileNotFoundError,
         FileExistsError,
         NotADirectoryError,

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import sys
 import warnings
-from typing import Any
 
 from . import config as cfg
 from .checkpoints import export, load_checkpoint
@@ -135,8 +134,9 @@ def _int8(model, args: argparse.Namespace, calibration, source: str):
     if args.runtime == "openvino":
         raise ValueError("--precision int8 with --runtime openvino: vitkit's int8 copy runs in torch; drop --runtime.")
     count = sum(len(x) for x in calibration) if isinstance(calibration, list) else len(calibration)
+    fast = optimize(model, "int8", calibration=calibration)
     print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
-    return optimize(model, "int8", calibration=calibration)
+    return fast
 
 
 # `--runtime auto` hands the model to OpenVINO only for work that pays back converting it (seconds, most of them
@@ -173,10 +173,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads {args.threads}: give a number of threads, or 0 for torch's default.")
     if args.threads:
         torch.set_num_threads(args.threads)
+    subject, args.image_size = _bench_subject(args)
     if args.compare:
-        return _bench_compare(args)
+        return _bench_compare(args, subject)
     result = bench(
-        args.model,
+        subject.config if isinstance(subject, VisionTransformer) else subject,
         image_sizes=tuple(args.image_size),
         batch_sizes=tuple(args.batch_size),
         precisions=tuple(args.precision),
@@ -187,8 +188,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         min_seconds=args.min_seconds,
         memory_budget_gb=args.memory_budget_gb,
         device=resolve_device(args.device),
-        **args.model_args,
+        **({} if isinstance(subject, VisionTransformer) else args.model_args),
     )
+    if isinstance(subject, VisionTransformer):
+        result["model"] = args.checkpoint or args.model
     print(format_bench(result))
     if args.out:
         json_path, png_path = write_bench(result, args.out, args.overwrite)
@@ -196,32 +199,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_compare(args: argparse.Namespace) -> int:
-    """`vitkit bench --compare`: vitkit.optimize against ONNX Runtime and OpenVINO, side by side."""
+def _bench_subject(args: argparse.Namespace) -> tuple[str | VisionTransformer, list[int]]:
+    """What `vitkit bench` times: a variant name, or the model of --checkpoint (or of a --model that names a file);
+    and the resolutions, by default the checkpoint's own."""
     import os
 
+    path = args.checkpoint or (args.model if args.model and os.path.exists(args.model) else None)
+    if path is None:
+        return args.model or "ViT-B/16", args.image_size or [224]
+    model = load_checkpoint(path, image_size=args.image_size[0] if args.image_size else None, **args.model_args)
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"{path} holds a {type(model).__name__}: vitkit bench times Vision Transformers.")
+    height, width = model.config.image_size
+    if args.image_size is None and height != width:
+        raise ValueError(f"{path} is a {height}x{width} model: give one square resolution with --image-size.")
+    return model, args.image_size or [height]
+
+
+def _bench_compare(args: argparse.Namespace, subject: str | VisionTransformer) -> int:
+    """`vitkit bench --compare`: vitkit.optimize against ONNX Runtime and OpenVINO, side by side."""
     from .benchmark import write_record
     from .runtimes import compare_runtimes, format_compare
 
     if len(args.image_size) > 1:
         raise ValueError(f"--image-size {' '.join(map(str, args.image_size))} with --compare: give one resolution.")
-    if os.path.exists(args.model):
-        model: Any = load_checkpoint(args.model, image_size=args.image_size[0], **args.model_args)
-        if not isinstance(model, VisionTransformer):
-            raise ValueError(f"{args.model} holds a {type(model).__name__}: --compare runs Vision Transformers.")
-        args.model_args = {}
-    else:
-        model, args.model_args = args.model, {"image_size": args.image_size[0], **args.model_args}
+    model_args = {} if isinstance(subject, VisionTransformer) else {"image_size": args.image_size[0], **args.model_args}
     result = compare_runtimes(
-        model,
+        subject,
         batch_sizes=tuple(args.batch_size),
         precisions=tuple(args.precision),
         rounds=args.rounds,
         min_seconds=args.min_seconds,
-        **args.model_args,
+        **model_args,
     )
-    if isinstance(model, VisionTransformer):
-        result["model"] = str(args.model)
+    if isinstance(subject, VisionTransformer):
+        result["model"] = args.checkpoint or args.model
     print(format_compare(result))
     if args.out:
         print(f"wrote {write_record(args.out, result)}")

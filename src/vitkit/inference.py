@@ -317,10 +317,15 @@ def _in_openvino(
     if asked:
         if pack or compile:
             raise ValueError("runtime='openvino' with pack=True or compile=True: those are torch's; choose one.")
-        if device.type != "cpu" or not openvino_available():
+        if device.type != "cpu":
             raise ValueError(
-                f"runtime='openvino' needs the model on the CPU (it is on {device}) and OpenVINO installed "
-                "(pip install openvino, or vitkit[openvino]); runtime='torch' runs anywhere."
+                f"runtime='openvino' runs on the CPU, and the model is on {device}: move it with "
+                "model.cpu(), or use runtime='torch'."
+            )
+        if not openvino_available():
+            raise ValueError(
+                "runtime='openvino' needs OpenVINO: pip install openvino (or vitkit[openvino]); "
+                "runtime='torch' runs without it."
             )
         if precision == "bf16" and not machine.bf16_is_native("cpu"):
             raise ValueError("runtime='openvino' in bf16 needs a CPU with native bf16; use precision='fp32'.")

@@ -513,7 +513,7 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     try:
         import onnx
     except ImportError as e:
-        raise ImportError("reading ONNX graphs needs the onnx package: pip install onnx") from e
+        raise ImportError("reading ONNX graphs needs the onnx package: pip install onnx (or vitkit[onnx])") from e
     try:
         model = onnx.load(str(path), load_external_data=False)  # read below, after checking each reference
     except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
@@ -643,7 +643,9 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
         import onnx  # noqa: F401 - the exporter needs both; say so before it fails deep inside
         import onnxscript  # noqa: F401
     except ImportError as e:
-        raise ImportError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") from e
+        raise ImportError(
+            "ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript (or vitkit[onnx])"
+        ) from e
     if Path(path).suffix.lower() != ".onnx":  # the suffix is how `detect` (and every runtime's user) knows it
         raise ValueError(f"{path}: ONNX export writes one .onnx file; name it *.onnx.")
     exportable(model)
