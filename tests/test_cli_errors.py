@@ -112,9 +112,7 @@ def test_invalid_values_of_other_commands_are_one_line_errors(capsys, checkpoint
 
 
 @pytest.mark.parametrize("missing", ["onnx", "onnxscript"])
-def test_a_missing_optional_package_is_one_line_naming_its_install(
-    tmp_path, capsys, checkpoint, monkeypatch, missing
-):
+def test_a_missing_optional_package_is_one_line_naming_its_install(tmp_path, capsys, checkpoint, monkeypatch, missing):
     monkeypatch.setitem(sys.modules, missing, None)  # `import` of it then raises ImportError, installed or not
     status, err = run_cli(["convert", checkpoint, str(tmp_path / "m.onnx"), "--to", "onnx"], capsys)
     assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err

