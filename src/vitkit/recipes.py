@@ -227,7 +227,9 @@ class TrainConfig:
         "0.05 1 for photographs)",
     )
     flip: bool | None = _field(
-        None, "random horizontal flip (default: the dataset's choice, off for digits and for small image files)"
+        None,
+        "random horizontal flip (default: the dataset's choice, off for digits; for small image files, on where "
+        "their classes look alike mirrored)",
     )
     randaugment: tuple[int, int] | None = _field(None, "RandAugment OPS MAGNITUDE, e.g. 2 15 (default: off)")
     mixup: float = _field(0.0, "mixup Beta(alpha, alpha); 0 turns it off")
