@@ -7,6 +7,13 @@ accuracies) for docs/OWN_IMAGES.md.
     python benchmarks/own_images.py --out benchmarks/results/own-images-digits-<cpu>.json
     pip install --no-deps animal-mnist==0.4
     python benchmarks/own_images.py --dataset animal-mnist --out benchmarks/results/own-images-animal-mnist-<cpu>.json
+
+With --train-images, the batch study instead: for each number of training images (a fixed random subset of the
+train split), every batch of --batches up to it, each with --seeds seeds; beside them the batch vitkit's defaults
+pick for that many images (`recipes.fit_batch`).
+
+    python benchmarks/own_images.py --train-images 50 100 300 1437 --seeds 3 \
+        --out benchmarks/results/own-images-digits-batch-<cpu>.json
 """
 
 from __future__ import annotations
@@ -120,7 +127,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="seeds per setting (default 1)")
     parser.add_argument("--threads", default="0", help="torch threads of every run (default 0: one per core)")
     parser.add_argument("--only-defaults", action="store_true", help="skip the hand-tuned runs")
+    parser.add_argument("--train-images", type=int, nargs="+", help="instead: the batch study, at these split sizes")
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64, 128], help="the batch study's batches")
     args = parser.parse_args()
+    if args.train_images:
+        return batch_study(args)
     with tempfile.TemporaryDirectory() as tmp:
         write, hand_tuned, what = DATASETS[args.dataset]
         root = Path(tmp) / args.dataset
@@ -155,6 +166,45 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_record(args.out, record)
     print(json.dumps({k: round(100 * v["mean_test_top1"], 2) for k, v in results.items()}))
+
+
+def batch_study(args: argparse.Namespace) -> None:
+    """Test top-1 against the batch on small training splits: the evidence for `recipes.fit_batch`."""
+    from vitkit.benchmark import record_header, write_record
+    from vitkit.machine import resolve_precision
+    from vitkit.recipes import fit_batch
+
+    splits = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write, _, what = DATASETS[args.dataset]
+        root = Path(tmp) / args.dataset
+        count = write(root)
+        for n in args.train_images:
+            batches = {}
+            for batch in [b for b in args.batches if b <= n]:
+                runs = []
+                for seed in range(args.seeds):
+                    common = ["--data", str(root), "--epochs", args.epochs, "--seed", str(seed), "--threads",
+                              args.threads, "--train-images", str(n), "--batch-size", str(batch)]  # fmt: skip
+                    runs.append(run(common, Path(tmp) / f"run-{n}-{batch}-{seed}"))
+                    print(f"{n} images, batch {batch}, seed {seed}: {100 * runs[-1]['test_top1']:.2f}% in "
+                          f"{runs[-1]['seconds']} s", flush=True)  # fmt: skip
+                batches[str(batch)] = {"runs": runs, "mean_test_top1": float(np.mean([r["test_top1"] for r in runs]))}
+            splits[str(n)] = {"default_batch": fit_batch(n), "batches": batches}
+    record = {
+        **record_header("own-images-batch"),
+        "dataset": args.dataset,
+        "what": f"{what} as an image folder, 80/20 train/val; a fixed random subset of train",
+        "images": count,
+        "settings": {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
+        "precision": resolve_precision("auto"),
+        "splits": splits,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_record(args.out, record)
+    print(json.dumps({n: {b: round(100 * v["mean_test_top1"], 2) for b, v in split["batches"].items()}
+                      for n, split in splits.items()}))  # fmt: skip
 
 
 if __name__ == "__main__":

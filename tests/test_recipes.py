@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import tiny
+from vitkit import training
 from vitkit.cli import build_parser
 from vitkit.commands import _train_config
 from vitkit.recipes import (
@@ -11,6 +12,7 @@ from vitkit.recipes import (
     MIRROR_FLIP,
     TrainConfig,
     build_optimizer,
+    fit_batch,
     fit_patch,
     fit_to_data,
     learning_rate,
@@ -142,9 +144,9 @@ def test_train_config_errors_name_the_bad_value():
 
 
 def image_survey(size, grayscale=False, own_size=False, data="imagefolder", augmentation=((0.05, 1.0), True),
-                 mirror=None):  # fmt: skip
+                 mirror=None, images=10_000):  # fmt: skip
     """What `data.survey` says of a dataset, written out."""
-    return {"data": data, "image_size": list(size), "grayscale": grayscale, "own_size": own_size,
+    return {"data": data, "image_size": list(size), "grayscale": grayscale, "images": images, "own_size": own_size,
             "crop_scale": augmentation[0], "flip": augmentation[1], "mirror": mirror}  # fmt: skip
 
 
@@ -171,6 +173,28 @@ def test_small_image_files_train_enlarged_near_32_px_without_crop_and_flipped_wh
     assert fit_to_data(TrainConfig(), image_survey((12, 10)))[0].image_size == 36  # 3 x the longer side
 
 
+def test_a_small_training_split_gets_a_batch_that_makes_three_batches_an_epoch():
+    assert [fit_batch(n) for n in (2, 20, 50, 100, 300, 383, 384, 1437, 60_000)] == [
+        1,
+        4,
+        16,
+        32,
+        64,
+        64,
+        128,
+        128,
+        128,
+    ]
+    assert fit_batch(100, multiple=8) == 32 and fit_batch(20, multiple=8) == 8  # whole micro-batches on 8 processes
+    assert fit_batch(300, multiple=3) == 63
+    config, line = fit_to_data(TrainConfig(), image_survey((375, 500), images=100))
+    assert config.batch_size == 32 and line.endswith("flip on: photographs; batch 32: 100 training images")
+    config, line = fit_to_data(TrainConfig(), image_survey((375, 500), images=384))
+    assert config.batch_size == 128 and line.endswith(": photographs")  # the default batch goes unmentioned
+    with pytest.raises(ValueError, match="batch_size=None: fit the config to its data first"):
+        training.global_batch(TrainConfig())
+
+
 def test_photographs_keep_the_papers_224_px_inception_crop_and_flip():
     config, line = fit_to_data(TrainConfig(data="imagefolder"), image_survey((375, 500)))
     assert (config.image_size, config.model, config.crop_scale, config.flip) == (224, "ViT-Ti/16", (0.05, 1.0), True)
@@ -187,8 +211,8 @@ def test_a_dataset_with_its_own_resolution_keeps_it_and_its_augmentation_so_the_
 
 
 def test_every_option_given_wins_over_the_fitted_one():
-    given = TrainConfig(image_size=24, model="ViT-Ti/4", crop_scale=(0.5, 1.0), flip=True)
-    config, line = fit_to_data(given, image_survey((8, 8), grayscale=True))
+    given = TrainConfig(image_size=24, model="ViT-Ti/4", crop_scale=(0.5, 1.0), flip=True, batch_size=64)
+    config, line = fit_to_data(given, image_survey((8, 8), grayscale=True, images=100))
     assert config == given
     assert line == ("images 8x8 grayscale -> model ViT-Ti/4 (given) at 24 px (given); crop 0.5-1 (given), "
                     "flip on (given): small images")  # fmt: skip

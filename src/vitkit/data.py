@@ -529,8 +529,9 @@ def own_size(dataset: object) -> tuple[int, int] | None:
 
 
 def survey(name: str, dataset: LabelledDataset, mirror: bool = True) -> dict:
-    """What `recipes.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), whether
-    the size is the dataset's `own_size` (else: image files), the augmentation it asks for, and with `mirror`, for
+    """What `recipes.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), how many
+    `images` there are, whether the size is the dataset's `own_size` (else: image files), the augmentation it asks
+    for, and with `mirror`, for
     small image files, whether mirroring keeps their class (`mirror_agreement`; None otherwise). The mirror test
     reads a thousand images: ask for it only where the flip is left to the defaults."""
     from .recipes import SMALL_IMAGES
@@ -540,7 +541,14 @@ def survey(name: str, dataset: LabelledDataset, mirror: bool = True) -> dict:
     files = own_size(dataset) is None
     small = files and seen["image_size"] is not None and max(seen["image_size"]) < SMALL_IMAGES
     agreement = mirror_agreement(dataset, seen["image_size"]) if small and mirror else None
-    return {**seen, "own_size": not files, "crop_scale": crop_scale, "flip": flip, "mirror": agreement}
+    return {
+        **seen,
+        "images": len(dataset),
+        "own_size": not files,
+        "crop_scale": crop_scale,
+        "flip": flip,
+        "mirror": agreement,
+    }
 
 
 MIRROR_PROBE = 1000  # images `mirror_agreement` reads: about a second of decoding for small files

@@ -83,7 +83,6 @@ FINETUNE_DEFAULTS = {
     "warmup_fraction": 0.05,
     "grad_clip": 1.0,
     "steps": 500,
-    "batch_size": 128,
     "label_smoothing": 0.0,
     "model_args": {},
 }
@@ -101,6 +100,11 @@ SMALL_CROP = (1.0, 1.0)  # a crop of an 8 px digit is another digit, or none
 # of a nearest-class-mean classifier's accuracy (`data.mirror_agreement`). Digits keep about half or less, and a flip
 # costs them points; clothes and animal silhouettes keep nearly all, and a flip gains them points (docs/OWN_IMAGES.md).
 MIRROR_FLIP = 0.7
+# The batch: this many images, or for a small training split the largest power of two that still makes
+# `MIN_BATCHES` batches an epoch. At the default learning rate, 50 to 300 digits learnt most at that size; smaller
+# batches took too many steps at that rate, larger ones too few (docs/OWN_IMAGES.md).
+BATCH_SIZE = 128
+MIN_BATCHES = 3
 
 
 def fit_patch(resolution: int) -> int:
@@ -108,6 +112,13 @@ def fit_patch(resolution: int) -> int:
     patches, the main job's 7 px at 28 px) but at most the paper's 16 px (a 14x14 grid at 224 px)."""
     target = min(resolution / 4, 16)
     return min((d for d in range(1, resolution + 1) if resolution % d == 0), key=lambda d: (abs(d - target), -d))
+
+
+def fit_batch(images: int, multiple: int = 1) -> int:
+    """The default batch for `images` training images (`BATCH_SIZE`, less for a small split: `MIN_BATCHES`), a
+    multiple of `multiple` (processes x accumulation steps)."""
+    batch = min(BATCH_SIZE, 2 ** max(int(math.log2(max(images // MIN_BATCHES, 1))), 0))
+    return max(batch // multiple, 1) * multiple
 
 
 def _fitting_size(model: str, model_args: dict[str, Any], size: int) -> int:
@@ -124,7 +135,7 @@ def _fitting_size(model: str, model_args: dict[str, Any], size: int) -> int:
     return size
 
 
-def fit_to_data(config: TrainConfig, survey: dict[str, Any]) -> tuple[TrainConfig, str]:
+def fit_to_data(config: TrainConfig, survey: dict[str, Any], multiple: int = 1) -> tuple[TrainConfig, str]:
     """The config with its data-dependent defaults (None) chosen for the images `data.survey` describes, and one
     line saying what was chosen and why. An option given (not None) is kept as it is.
 
@@ -134,6 +145,7 @@ def fit_to_data(config: TrainConfig, survey: dict[str, Any]) -> tuple[TrainConfi
     - Larger image files (photographs): the paper's 224 px, inception crop and flip.
     - The model: `DEFAULT_VARIANT` with a patch from `fit_patch`; a model given keeps its patch, and the
       resolution moves to the nearest one its patch stride divides.
+    - The batch: `fit_batch` for the training images, a multiple of `multiple` (processes x accumulation steps).
     With a checkpoint the resolution and the model are the checkpoint's (unless given)."""
     height, width = survey["image_size"] or (PHOTO_SIZE, PHOTO_SIZE)
     side = max(height, width)
@@ -151,6 +163,8 @@ def fit_to_data(config: TrainConfig, survey: dict[str, Any]) -> tuple[TrainConfi
         changes["crop_scale"] = tuple(augmentation[0])
     if config.flip is None:
         changes["flip"] = bool(augmentation[1])
+    batch = fit_batch(survey["images"], multiple) if config.batch_size is None else config.batch_size
+    changes["batch_size"] = batch
     if config.checkpoint is None:
         size = config.image_size or size
         patch = 16 if "patch_size" in config.model_args else fit_patch(size)  # model_args' patch_size wins anyway
@@ -173,6 +187,8 @@ def fit_to_data(config: TrainConfig, survey: dict[str, Any]) -> tuple[TrainConfi
         model_text = f"model {fitted.model}{given('model')} at {fitted.image_size} px{given('image_size')}"
     line = (f"images {height}x{width} {colour} -> {model_text}; crop {crop}{given('crop_scale')}, "
             f"flip {'on' if fitted.flip else 'off'}{given('flip')}: {kind}")  # fmt: skip
+    if config.batch_size is None and batch < BATCH_SIZE:
+        line += f"; batch {batch}: {survey['images']} training images"
     return fitted, line
 
 
@@ -250,7 +266,11 @@ class TrainConfig:
     weight_decay: float = _field(0.1, "decoupled weight decay on weight matrices only")
     betas: tuple[float, float] = _field((0.9, 0.98), "Adam's B1 B2 (the paper's: 0.9 0.999)")
     momentum: float = _field(0.9, "SGD momentum")
-    batch_size: int = _field(128, "global batch: split over processes and accumulation steps")
+    batch_size: int | None = _field(
+        None,
+        f"global batch, split over processes and accumulation steps (default {BATCH_SIZE}; for fewer than "
+        f"{BATCH_SIZE * MIN_BATCHES} training images, the largest power of two that makes {MIN_BATCHES} batches)",
+    )
     accumulation_steps: int = _field(1, "micro-batches per optimiser step (gradient accumulation)")
     epochs: float = _field(20.0, "passes over the training split (fractions allowed)")
     steps: int | None = _field(None, "total optimiser steps; overrides --epochs")
@@ -304,7 +324,8 @@ class TrainConfig:
         for name in ("crop_scale", "betas", "randaugment"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.batch_size < 1 or self.accumulation_steps < 1 or self.batch_size % self.accumulation_steps:
+        batch = self.accumulation_steps if self.batch_size is None else self.batch_size  # None: fitted to the data
+        if batch < 1 or self.accumulation_steps < 1 or batch % self.accumulation_steps:
             raise ValueError(
                 f"batch_size={self.batch_size} must be a positive multiple of accumulation_steps="
                 f"{self.accumulation_steps}: each step averages that many equal micro-batches."

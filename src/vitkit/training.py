@@ -248,7 +248,8 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
     if saved is None:  # what config.json records: the model, resolution and augmentation chosen for this data
-        config, chosen = fit_to_data(config, survey(config.data, train_set, mirror=config.flip is None))
+        seen = survey(config.data, train_set, mirror=config.flip is None)
+        config, chosen = fit_to_data(config, seen, multiple=world.size * config.accumulation_steps)
         if world.is_main:
             print(chosen, flush=True)
     model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
@@ -298,7 +299,7 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
             stop.notice = "stopping after the current step, with a checkpoint"
             bar.update(1)
             if state.step % config.log_every == 0 or state.step == plan.total:
-                record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, config.batch_size)
+                record = state.window.flush(state.step, state.step / plan.steps_per_epoch, lr, plan.batch)
                 state.run.log(record)
                 bar.set_postfix(
                     loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}", img_s=f"{record['images_per_s']:.0f}"
@@ -336,6 +337,7 @@ class StepPlan:
     """How long the run is, and how one step's global batch is split over processes and micro-batches."""
 
     total: int  # optimiser steps of the whole run
+    batch: int  # images per step, over all processes
     steps_per_epoch: int
     warmup: int  # steps of linear learning-rate warmup
     eval_interval: int  # steps between evaluations (and checkpoints)
@@ -343,31 +345,41 @@ class StepPlan:
     micro: int  # images per micro-batch
 
 
+def global_batch(config: TrainConfig) -> int:
+    """The batch of a config fitted to its data (`recipes.fit_to_data` chooses it where it was left as None)."""
+    if config.batch_size is None:
+        raise ValueError("batch_size=None: fit the config to its data first (recipes.fit_to_data).")
+    return config.batch_size
+
+
 def images_per_epoch(dataset, config: TrainConfig, world: World) -> int:
     """The training images one epoch uses: all of them, or of streamed shards, what every process reads alike."""
     if not isinstance(dataset, ShardedDataset):
         return len(dataset)
-    micro = max(config.batch_size // (world.size * config.accumulation_steps), 1)
+    batch = global_batch(config)
+    micro = max(batch // (world.size * config.accumulation_steps), 1)
     micro_batches = dataset.micro_batches_per_epoch(micro, world.size, config.workers)
-    return micro_batches // config.accumulation_steps * config.batch_size
+    return micro_batches // config.accumulation_steps * batch
 
 
 def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
     """The step plan for `num_images` training images, or a ValueError when the batch cannot be split evenly."""
-    if config.batch_size % (world.size * config.accumulation_steps):
+    batch = global_batch(config)
+    if batch % (world.size * config.accumulation_steps):
         raise ValueError(
-            f"batch_size={config.batch_size} is not divisible by {world.size} processes x "
+            f"batch_size={batch} is not divisible by {world.size} processes x "
             f"{config.accumulation_steps} accumulation steps: choose a multiple of "
             f"{world.size * config.accumulation_steps}."
         )
-    steps_per_epoch = num_images // config.batch_size
+    steps_per_epoch = num_images // batch
     if steps_per_epoch < 1:
-        raise ValueError(f"batch_size={config.batch_size} exceeds the {num_images} training images: lower it.")
+        raise ValueError(f"batch_size={batch} exceeds the {num_images} training images: lower it.")
     total = config.steps or math.ceil(config.epochs * steps_per_epoch)
     eval_interval = max(round(config.eval_every * steps_per_epoch), 1) if config.eval_every > 0 else total
-    per_rank = config.batch_size // world.size
+    per_rank = batch // world.size
     return StepPlan(
         total=total,
+        batch=batch,
         steps_per_epoch=steps_per_epoch,
         warmup=round(config.warmup_fraction * total),
         eval_interval=eval_interval,
@@ -482,7 +494,7 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     tick = time.perf_counter()
     state.step += 1
     generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
-    draws = random_draws(config.batch_size, generator)[world.rank :: world.size]  # this process's samples
+    draws = random_draws(state.plan.batch, generator)[world.rank :: world.size]  # this process's samples
     lr = learning_rate(state.step, state.plan.total, config.lr, state.plan.warmup, config.schedule)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
