@@ -357,8 +357,30 @@ def own_images(dataset: str) -> Callable[[list[dict]], str]:
     return table
 
 
+def own_images_batch(records: list[dict]) -> str:
+    """benchmarks/own_images.py --train-images: test top-1 (the mean over seeds) against the batch on small
+    training splits, from the latest record; the batch the defaults pick in bold."""
+    latest = [r for r in records if r.get("benchmark") == "own-images-batch"]
+    if not latest:
+        return ""
+    record = max(latest, key=lambda r: str(r.get("date")))
+    batches = sorted({int(b) for split in record["splits"].values() for b in split["batches"]})
+    rows = []
+    for n, split in sorted(record["splits"].items(), key=lambda item: int(item[0])):
+        cells = []
+        for batch in batches:
+            result = split["batches"].get(str(batch))
+            cell = "-" if result is None else f"{100 * result['mean_test_top1']:.1f}%"
+            cells.append(f"**{cell}**" if batch == split["default_batch"] else cell)
+        steps = int(n) // split["default_batch"]
+        rows.append([n, *cells, f"{split['default_batch']} ({steps} steps an epoch)"])
+    head = ["training images", *(f"batch {b}" for b in batches), "the defaults' batch"]
+    return markdown(head, rows, right=len(batches) + 1)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
     "own-images-digits": own_images("digits"),
+    "own-images-batch": own_images_batch,
     "own-images-animal-mnist": own_images("animal-mnist"),
     "deploy": deploy,
     "runtimes": runtimes,
