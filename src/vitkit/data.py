@@ -605,6 +605,31 @@ def subset(dataset: LabelledDataset, size: int, seed: int = 0) -> ImageArrayData
     return out
 
 
+class Relabelled(Dataset):
+    """A dataset's samples with each label renumbered by `mapping` (old label -> new), under new `classes`."""
+
+    def __init__(self, dataset: LabelledDataset, mapping: list[int], classes: list[str]):
+        self.dataset, self.mapping, self.classes = dataset, mapping, list(classes)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image, label = self.dataset[index]
+        return image, self.mapping[label]
+
+
+def in_class_order(dataset: LabelledDataset, classes: list[str]) -> LabelledDataset:
+    """`dataset` with its labels numbered in the order of `classes`, the same names as its own in another order (a
+    model's, trained on a dataset that did not sort them)."""
+    if sorted(classes) != sorted(dataset.classes):
+        raise ValueError(f"classes {classes} are not the dataset's {dataset.classes} in another order.")
+    mapping = [classes.index(name) for name in dataset.classes]
+    if isinstance(dataset, ImageArrayDataset):  # in memory: stays sliceable
+        return ImageArrayDataset(dataset.images, torch.tensor(mapping)[dataset.labels], classes)
+    return Relabelled(dataset, mapping, classes)
+
+
 def locate(data: str, data_dir: str | os.PathLike | None = None) -> tuple[str, str | None]:
     """(dataset name, data_dir) for `data`: a dataset name as it is, or the path of a folder: Parquet shards
     when it holds `vitkit data pack`'s index.json, otherwise an image folder. A name wins over a folder of the

@@ -115,8 +115,8 @@ def fit_patch(resolution: int) -> int:
 
 
 def fit_batch(images: int, multiple: int = 1) -> int:
-    """The default batch for `images` training images (`BATCH_SIZE`, less for a small split: `MIN_BATCHES`), a
-    multiple of `multiple` (processes x accumulation steps)."""
+    """The default batch for `images` training images: `BATCH_SIZE`, or the largest power of two below it that
+    makes `MIN_BATCHES` batches an epoch; a multiple of `multiple` (processes x accumulation steps)."""
     batch = min(BATCH_SIZE, 2 ** max(int(math.log2(max(images // MIN_BATCHES, 1))), 0))
     return max(batch // multiple, 1) * multiple
 

@@ -247,7 +247,7 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
         check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
-    if saved is None:  # what config.json records: the model, resolution and augmentation chosen for this data
+    if saved is None:  # what config.json records: the model, resolution, augmentation and batch for this data
         seen = survey(config.data, train_set, mirror=config.flip is None)
         config, chosen = fit_to_data(config, seen, multiple=world.size * config.accumulation_steps)
         if world.is_main:
