@@ -232,6 +232,23 @@ def test_training_on_an_image_folder_skips_bad_files_and_counts_them_in_the_summ
         train(TrainConfig(**{**spec, "strict": True, "out_dir": str(tmp_path / "strict")}))
 
 
+def test_hidden_files_and_folders_are_neither_classes_nor_images(tmp_path):
+    from vitkit.evaluation import image_files
+
+    pixels = np.zeros((8, 8, 3), np.uint8)
+    for path in ("cat/1.png", "cat/sub/2.png", "dog/3.png", "cat/.ipynb_checkpoints/1-checkpoint.png",
+                 ".ipynb_checkpoints/x.png", "__MACOSX/cat/._1.png", ".git/y.png"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(tmp_path / path)
+    (tmp_path / "cat" / "._1.png").write_bytes(b"\x00\x05\x16\x07 macOS AppleDouble")  # no image, a dot first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing hidden is even read, so no file is skipped as unreadable
+        folder = get_dataset("imagefolder", "train", data_dir=tmp_path, val_fraction=0.5)
+    assert folder.classes == ["cat", "dog"]
+    everything = [p.relative_to(tmp_path).as_posix() for p in image_files([tmp_path])]
+    assert everything == ["cat/1.png", "cat/sub/2.png", "dog/3.png"]  # a folder of class folders, whole
+
+
 def test_a_folder_given_as_an_image_file_is_named_a_folder(tmp_path):
     from vitkit.images import read_image
 

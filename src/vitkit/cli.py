@@ -311,7 +311,7 @@ def _add_predict_command(sub) -> None:
         "--checkpoint", required=True, help="model file with class names (as `vitkit train` saves), or pretrained name"
     )
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
-    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or directories of them")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or folders of them (subfolders too)")
     p.add_argument(
         "--precision",
         default="auto",

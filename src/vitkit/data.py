@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from .errors import ImageError
-from .images import SUFFIXES, SkipLog, check_image, read_image
+from .images import SUFFIXES, SkipLog, check_image, image_paths, read_image, subfolders
 from .shards import INDEX, ShardedDataset, pack_splits
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond")
@@ -398,12 +398,12 @@ class ImageFolder(Dataset):
         held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
         split_dirs = (root / "train").is_dir() and held_out is not None
         base = (root / "train" if split == "train" else held_out or root) if split_dirs else root
-        self.classes = sorted(d.name for d in base.iterdir() if d.is_dir())
+        self.classes = [d.name for d in subfolders(base)]
         if not self.classes:
             raise FileNotFoundError(f"imagefolder: no class folders in {base}: expected {base}/<class>/<image>.")
         self.samples: list[tuple[Path, int]] = []
         for label, name in enumerate(self.classes):
-            files = sorted(p for p in (base / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+            files = image_paths(base / name)
             if not split_dirs:
                 if not 0.0 < val_fraction < 1.0:
                     raise ValueError(f"val_fraction={val_fraction} must be in (0, 1).")

@@ -19,7 +19,7 @@ from .augment import eval_batch
 from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset
 from .distributed import World, all_reduce_sum, is_sharded
 from .errors import ImageError, reporting_dead_workers
-from .images import SkipLog, read_image
+from .images import SkipLog, image_paths, read_image
 from .inference import CALIBRATION_IMAGES
 
 
@@ -190,11 +190,12 @@ def format_eval(result: EvalResult, classes: list[str] | None) -> str:
 
 
 def image_files(paths: list[str | os.PathLike]) -> list[Path]:
-    """The image files named, a directory standing for the images in it (sorted, not recursive)."""
+    """The image files named, a directory standing for the images in it and its subfolders (sorted; hidden files
+    and folders left out, `images.image_paths`), so a folder of class folders can be given whole."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            found = image_paths(path)
             if not found:
                 raise FileNotFoundError(f"{path}: a directory with no images ({', '.join(IMAGE_SUFFIXES)}).")
             files += found

@@ -23,6 +23,26 @@ MAX_PIXELS = 89_478_485  # PIL's own decompression-bomb threshold: about 0.25 GB
 SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
+def hidden(path: Path) -> bool:
+    """Left out of every folder listing: names that start with a dot (Jupyter's .ipynb_checkpoints, the ._ copies
+    macOS writes beside files) and the __MACOSX folder of zip archives made on a Mac."""
+    return path.name.startswith(".") or path.name == "__MACOSX"
+
+
+def subfolders(folder: Path) -> list[Path]:
+    """The visible folders in `folder`, sorted by name."""
+    return sorted((p for p in folder.iterdir() if p.is_dir() and not hidden(p)), key=lambda p: p.name)
+
+
+def image_paths(folder: Path) -> list[Path]:
+    """The image files (by suffix) in `folder` and its visible subfolders, sorted."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not hidden(Path(d))]  # not descended into
+        found += [Path(root, f) for f in files if not hidden(Path(f)) and Path(f).suffix.lower() in SUFFIXES]
+    return sorted(found)
+
+
 def _open(path: str | os.PathLike, max_pixels: int, data: bytes | None = None):
     """The opened (not yet decoded) PIL image, after the checks its header allows; from `data` when given (the
     file's bytes, kept elsewhere: `path` then only names them)."""
