@@ -1,7 +1,10 @@
-"""The README and docs/: every relative link and image points to a file, every #anchor to a heading, and the
-snippets of the deploying section run and give vitkit's logits."""
+"""The README and docs/: every relative link and image points to a file, every #anchor to a heading, the
+snippets of the deploying section run and give vitkit's logits, and the tutorial runs as written."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,28 @@ def test_the_deploying_snippets_reproduce_vitkits_logits_on_photographs(in_chans
     assert capsys.readouterr().out.strip() == str([model.class_names[i] for i in reference.argmax(1)])
     exec(openvino_block, namespace)
     assert relative(namespace["logits"]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_tutorial_runs_as_written_and_shows_what_it_says(tmp_path):
+    pytest.importorskip("sklearn", reason="the tutorial's images are scikit-learn's digits (dev extra)")
+    pytest.importorskip("onnxscript", reason="the tutorial's last step exports ONNX (onnx extra)")
+    doc = (ROOT / "docs/TUTORIAL.md").read_text()
+    blocks = re.findall(r"```(\w*)\n(.*?)```", doc, flags=re.S)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # `vitkit`
+    shown = [text.strip() for kind, text in blocks if not kind]  # output the tutorial shows
+    printed = ""
+    for kind, text in blocks:
+        if kind == "python":
+            done = subprocess.run([sys.executable, "-c", text], cwd=tmp_path, env=env, capture_output=True, text=True)
+        elif kind == "bash":
+            done = subprocess.run(["bash", "-e", "-c", text], cwd=tmp_path, env=env, capture_output=True, text=True)
+        else:
+            continue
+        assert done.returncode == 0, f"{text}\n{done.stderr[-2000:]}"
+        printed += done.stdout
+    assert all(line in printed for line in shown), shown
+    top1 = float(re.search(r"^test +top-1 ([\d.]+)%", printed, flags=re.M).group(1))
+    assert abs(top1 - 96) <= 2, top1  # "about 96%"
+    assert len(list((tmp_path / "new").glob("*.png"))) == 10 and printed.count("new/") >= 10  # predict saw them
+    assert (tmp_path / "runs/digits/inspect/report.html").is_file() and (tmp_path / "digits.onnx").is_file()
