@@ -531,9 +531,8 @@ def own_size(dataset: object) -> tuple[int, int] | None:
 def survey(name: str, dataset: LabelledDataset, mirror: bool = True) -> dict:
     """What `recipes.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), how many
     `images` there are, whether the size is the dataset's `own_size` (else: image files), the augmentation it asks
-    for, and with `mirror`, for
-    small image files, whether mirroring keeps their class (`mirror_agreement`; None otherwise). The mirror test
-    reads a thousand images: ask for it only where the flip is left to the defaults."""
+    for, and with `mirror`, for small image files, whether mirroring keeps their class (`mirror_agreement`; None
+    otherwise). The mirror test reads a thousand images: ask for it only where the flip is left to the defaults."""
     from .recipes import SMALL_IMAGES
 
     crop_scale, flip = dataset_augmentation(dataset)
