@@ -1,6 +1,8 @@
 """Fixtures shared by the tests; the plain helpers are in helpers.py (`from helpers import tiny, ...`)."""
 
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,26 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_jax"
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# A freed signal stack is reported once, at the test after which it was found, not again at every later one.
+_signal_stack_freed: list[bool] = []
+
+
+@pytest.fixture(autouse=True)
+def _signal_stack_stays_mapped():
+    yield
+    from helpers import signal_stack_is_mapped
+
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread() or _signal_stack_freed:
+        return
+    if not signal_stack_is_mapped():
+        _signal_stack_freed.append(True)
+        pytest.fail(
+            "the main thread's alternate signal stack was freed (by this test or an earlier one that made an "
+            "openvino.Core of its own): the next signal would crash the test process; compile with "
+            "vitkit.inference.openvino_core()"
+        )
 
 
 @pytest.fixture

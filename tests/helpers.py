@@ -1,6 +1,7 @@
 """Small helpers shared by the tests: `from helpers import tiny, ...` (pyproject.toml puts tests/ on pytest's
 sys.path). Fixtures stay in conftest.py."""
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -98,3 +99,19 @@ def write_image_folder(root, per_class: int = 12, classes=("cat", "dog", "owl"))
 
 def fingerprint(image: torch.Tensor, label: int) -> tuple:
     return (tuple(image.shape), image.numpy().tobytes(), int(label))
+
+
+class _SignalStack(ctypes.Structure):
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+def signal_stack_is_mapped() -> bool:
+    """Whether this thread's alternate signal stack, if it has one, is still mapped memory. Each `openvino.Core` that
+    is not vitkit's one (`vitkit.inference.openvino_core`) can leave the thread on a freed one, and a later signal
+    (a child process exiting) ends the whole test run with a bare segmentation fault."""
+    stack = _SignalStack()
+    if ctypes.CDLL(None).sigaltstack(None, ctypes.byref(stack)) != 0 or not stack.ss_sp:
+        return True
+    with open("/proc/self/maps") as maps:
+        spans = [[int(a, 16) for a in line.split()[0].split("-")] for line in maps]
+    return any(start <= stack.ss_sp and stack.ss_sp + stack.ss_size <= end for start, end in spans)
