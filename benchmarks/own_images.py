@@ -149,29 +149,32 @@ def main() -> None:
                 print(f"{name} seed {seed}: {100 * runs[-1]['test_top1']:.2f}% in {runs[-1]['seconds']} s"
                       f"  {runs[-1]['chosen'] or ''}", flush=True)  # fmt: skip
             results[name] = {"runs": runs, "mean_test_top1": float(np.mean([r["test_top1"] for r in runs]))}
+    save(args, "own-images", f"{what} as an image folder, 80/20 train/val", count, mirror_agreement=mirror,
+         results=results)  # fmt: skip
+    print(json.dumps({k: round(100 * v["mean_test_top1"], 2) for k, v in results.items()}))
+
+
+def save(args: argparse.Namespace, benchmark: str, what: str, count: int, **fields) -> None:
+    """The JSON record of a run of this script (machine, software, date, commit, command), to --out if given."""
     from vitkit.benchmark import record_header, write_record
     from vitkit.machine import resolve_precision
 
     record = {
-        **record_header("own-images"),
+        **record_header(benchmark),
         "dataset": args.dataset,
-        "what": f"{what} as an image folder, 80/20 train/val",
+        "what": what,
         "images": count,
-        "mirror_agreement": mirror,
         "settings": {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
         "precision": resolve_precision("auto"),
-        "results": results,
+        **fields,
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_record(args.out, record)
-    print(json.dumps({k: round(100 * v["mean_test_top1"], 2) for k, v in results.items()}))
 
 
 def batch_study(args: argparse.Namespace) -> None:
     """Test top-1 against the batch on small training splits: the evidence for `recipes.fit_batch`."""
-    from vitkit.benchmark import record_header, write_record
-    from vitkit.machine import resolve_precision
     from vitkit.recipes import fit_batch
 
     splits = {}
@@ -191,18 +194,8 @@ def batch_study(args: argparse.Namespace) -> None:
                           f"{runs[-1]['seconds']} s", flush=True)  # fmt: skip
                 batches[str(batch)] = {"runs": runs, "mean_test_top1": float(np.mean([r["test_top1"] for r in runs]))}
             splits[str(n)] = {"default_batch": fit_batch(n), "batches": batches}
-    record = {
-        **record_header("own-images-batch"),
-        "dataset": args.dataset,
-        "what": f"{what} as an image folder, 80/20 train/val; a fixed random subset of train",
-        "images": count,
-        "settings": {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
-        "precision": resolve_precision("auto"),
-        "splits": splits,
-    }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_record(args.out, record)
+    save(args, "own-images-batch", f"{what} as an image folder, 80/20 train/val; a fixed random subset of train",
+         count, splits=splits)  # fmt: skip
     print(json.dumps({n: {b: round(100 * v["mean_test_top1"], 2) for b, v in split["batches"].items()}
                       for n, split in splits.items()}))  # fmt: skip
 
