@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-seconds", type=float, default=2.0)
+    parser.add_argument("--skip", nargs="+", default=[], help="vitkit copies to leave out, e.g. 'vitkit int8'")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -43,19 +44,27 @@ def main() -> None:
     size = model.config.image_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        copies = {
-            "vitkit fp32": vitkit.optimize(model, "fp32"),
-            "vitkit bf16": vitkit.optimize(model, "bf16"),
-            "vitkit int8": vitkit.optimize(model, "int8", calibration=torch.randn(64, 3, *size)),
+        make = {
+            "vitkit fp32": lambda: vitkit.optimize(model, "fp32"),
+            "vitkit bf16": lambda: vitkit.optimize(model, "bf16"),
+            "vitkit int8": lambda: vitkit.optimize(model, "int8", calibration=torch.randn(64, 3, *size)),
         }
+        copies = {name: build() for name, build in make.items() if name not in args.skip}
         for precision in ("fp32", "bf16"):  # where `optimize` chose a runtime, its own kernels' copy beside it
-            if not isinstance(copies[f"vitkit {precision}"], vitkit.VisionTransformer):
+            if f"vitkit {precision}" in copies and not isinstance(
+                copies[f"vitkit {precision}"], vitkit.VisionTransformer
+            ):
                 copies[f"vitkit torch {precision}"] = vitkit.optimize(model, precision, runtime="torch")
     result = {
         **record_header("deploy"),
         "model": args.model,
         "versions": runtime_versions(),
-        "settings": {"rounds": args.rounds, "threads": args.threads, "min_seconds": args.min_seconds},
+        "settings": {
+            "rounds": args.rounds,
+            "threads": args.threads,
+            "min_seconds": args.min_seconds,
+            "skip": args.skip,
+        },
         "load_average_before": os.getloadavg(),  # other work on the machine: the rounds are interleaved against it
         "cells": [],
     }
