@@ -496,6 +496,22 @@ def test_int8_refuses_missing_or_malformed_calibration_by_name():
         optimize(model, "int8", compile=True, calibration=torch.randn(2, 3, 32, 32))
 
 
+def test_int8_refuses_a_copy_whose_linear_layers_the_quantizer_left_in_fp32(monkeypatch):
+    """Where torch and torchao do not work together the quantizer annotates nothing (torch 2.11 with torchao 0.18),
+    and the copy would run fp32 arithmetic under the name int8: refused, naming both versions."""
+    needs_torchao()
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+
+    monkeypatch.setattr(x86.X86InductorQuantizer, "annotate", lambda self, model: model)
+    model = small_model(num_layers=1)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())  # qkv, proj, fc1, fc2, head
+    with pytest.raises(
+        ValueError, match=rf"quantized 0 of the model's {linears} linear layers, .*precision='bf16'"
+    ) as e:
+        optimize(model, "int8", calibration=torch.randn(2, 3, 32, 32))
+    assert f"torch {torch.__version__}" in str(e.value) and "torchao" in str(e.value)
+
+
 @pytest.mark.slow
 def test_int8_warns_where_the_cpu_has_no_fast_int8_path(monkeypatch):
     needs_torchao()

@@ -486,9 +486,33 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
         for images in batches:
             observed(images.to(device=device, dtype=torch.float32))
     quantized = convert_pt2e(observed)
+    _check_all_linears_quantized(quantized, plain)
     pt2e.move_exported_model_to_eval(quantized)
     program = torch.compile(quantized)  # the first call of each shape compiles (twice at most: then dynamic)
     return Int8Model(typing.cast(nn.Module, program), model)
+
+
+def _check_all_linears_quantized(quantized: torch.fx.GraphModule, plain: nn.Module) -> None:
+    """Refuse (ValueError) where the quantizer left any of the model's linear layers in fp32: some pairings of torch
+    and torchao annotate nothing (torch 2.11 with torchao 0.18 quantized none), and the copy would then run fp32
+    arithmetic while called int8. A quantized layer's weight reaches its linear through `dequantize_per_channel`."""
+    import torchao
+
+    linears = sum(isinstance(m, nn.Linear) for m in plain.modules())
+    done = sum(
+        1
+        for node in quantized.graph.nodes
+        if node.target == torch.ops.aten.linear.default
+        and isinstance(node.args[1], torch.fx.Node)
+        and "dequantize_per_channel" in str(node.args[1].target)
+    )
+    if done < linears:
+        raise ValueError(
+            f"precision='int8': PT2E quantization (torch {torch.__version__}, torchao {torchao.__version__}) "
+            f"quantized {done} of the model's {linears} linear layers, so the copy would not be int8. Install a "
+            "torchao and torch that quantize together (the newest of each that vitkit allows), or use "
+            "precision='bf16'."
+        )
 
 
 def _plain_nn_linears(module: nn.Module) -> None:
