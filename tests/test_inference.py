@@ -1,3 +1,4 @@
+import collections
 import contextlib
 import copy
 import os
@@ -321,6 +322,27 @@ def test_openvino_copy_made_with_one_thread_runs_batches():
     with torch.no_grad():
         want = model(x)
         assert (fast(x) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_openvino_copy_compiles_attention_as_openvino_does_the_exported_graph(tmp_path):
+    """The copy's graph (OpenVINO's trace of the model, in which attention is written out) compiles to no more
+    transposes and reorders than OpenVINO makes of the ONNX graph `vitkit.export` writes; converted from SDPA, each
+    layer's attention had one transpose more."""
+    needs_openvino()
+    pytest.importorskip("onnxscript", reason="vitkit.export writes ONNX with the optional onnxscript (vitkit[onnx])")
+    model = small_model()
+
+    def layers(compiled) -> collections.Counter:
+        ops = compiled.get_runtime_model().get_ordered_ops()
+        return collections.Counter(str(op.get_rt_info()["layerType"].astype(str)) for op in ops)
+
+    ours = layers(optimize(model, "fp32", runtime="openvino").single)
+    vitkit.export(model, tmp_path / "model.onnx")
+    exported = opt.openvino_core().compile_model(
+        str(tmp_path / "model.onnx"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+    )
+    theirs = layers(exported)
+    assert ours["Transpose"] <= theirs["Transpose"] and ours["Reorder"] <= theirs["Reorder"], (ours, theirs)
 
 
 @pytest.mark.slow

@@ -119,15 +119,18 @@ class Linear(nn.Linear):
 # Attention. SDPA everywhere, except on a CPU: training under `torch.compile` takes the written-out attention (the
 # compiler fuses its scale, softmax and casts around the two matmuls), and bf16 inference on a CPU with AVX-512 BF16
 # but no AMX takes the same two matmuls a few images at a time (SDPA's bf16 kernel is slow there; with AMX it is
-# fast). Figures in docs/PERFORMANCE.md.
+# fast). A TorchScript trace, which is how OpenVINO's PyTorch frontend converts a model for `optimize`, also takes
+# the written-out attention: OpenVINO fuses it into its own attention kernel with one transpose and one reorder
+# fewer per layer than its conversion of SDPA gives. Figures in docs/PERFORMANCE.md.
 
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d): `attend_sdpa`; `attend_explicit` when a CPU trains
-    under `torch.compile`; `attend_bf16_cpu` for bf16 inference on a CPU with AVX-512 BF16 but no AMX."""
-    if torch.compiler.is_compiling() and _cpu_training(q):
+    under `torch.compile`, and in a TorchScript trace; `attend_bf16_cpu` for bf16 inference on a CPU with AVX-512
+    BF16 but no AMX."""
+    if torch.jit.is_tracing() or (torch.compiler.is_compiling() and _cpu_training(q)):
         return attend_explicit(q, k, v, bias, dropout_p)[0]
     inference = not dropout_p and not _cpu_training(q) and not torch.compiler.is_compiling()
     if inference and q.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_bf16_without_amx():
