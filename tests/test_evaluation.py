@@ -77,3 +77,26 @@ def test_cli_eval_fewshot_prints_each_shot(tmp_path, capsys, tiny_vit):
     out = capsys.readouterr().out
     assert "1-shot" in out and "2-shot" in out
     assert main([*args[:-1], "1,x"]) == 2
+
+
+def test_evaluate_matches_the_datasets_classes_to_the_models_by_name_and_warns_where_they_differ(tiny_vit):
+    """A model trained with its classes in another order (a built-in dataset's, unsorted) scores each image against
+    its own class, the same as on the dataset relabelled by hand; other names are compared by position, with a
+    warning; a model without class names is scored on the labels as they are."""
+    split = _split(0, per_class=4)  # classes "0", "1", "2"
+    torch.manual_seed(0)
+    torch.nn.init.normal_(tiny_vit.head.weight, std=1.0)  # predictions that differ between images
+    tiny_vit.class_names = ["2", "0", "1"]
+    got = vitkit.evaluate(tiny_vit, split)
+    mapping = torch.tensor([1, 2, 0])  # the dataset's label -> the model's
+    relabelled = ImageArrayDataset(split.images, mapping[split.labels], ["2", "0", "1"])
+    tiny_vit.class_names = None
+    want = vitkit.evaluate(tiny_vit, relabelled)
+    assert got.classes_matched == "by name" and torch.equal(got.confusion, want.confusion)
+    assert got.confusion.sum(1).tolist() == [4, 4, 4] and want.classes_matched == "same"
+    as_given = vitkit.evaluate(tiny_vit, split)
+    assert as_given.classes_matched == "same" and not torch.equal(as_given.confusion, got.confusion)
+    tiny_vit.class_names = ["a", "b", "c"]
+    with pytest.warns(UserWarning, match=r"the dataset's classes \(0, 1, 2\) are not the model's \(a, b, c\)"):
+        renamed = vitkit.evaluate(tiny_vit, split)
+    assert renamed.classes_matched == "by position" and torch.equal(renamed.confusion, as_given.confusion)

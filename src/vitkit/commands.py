@@ -294,7 +294,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "evaluate on the dataset it was trained on, or fine-tune it first (vitkit finetune)."
         )
     read = dataset  # its log of skipped files, if any, is printed at the end
-    dataset = _in_models_classes(dataset, model, args)
     _runtime_needs_optimize(args)
     if args.precision == "int8":
         calibration = calibration_batches(model, get_dataset(args.data, "train", **kwargs), args.calibration_images)
@@ -305,35 +304,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             runtime = _runtime(args, model, len(dataset))
             model, precision = optimize(model, precision, runtime=runtime), "fp32"  # a bf16 copy: no autocast
     result = evaluate(model, dataset, batch_size=args.batch_size, precision=precision, progress=True)
+    if result.classes_matched == "by name":
+        print(f"{args.data}'s classes matched to {args.checkpoint}'s by name (they are in another order)")
     print(f"{args.checkpoint} on {args.data} ({args.split}), {model.config.image_size[0]} px")
     print(format_eval(result, model.class_names or dataset.classes))
     skipped = getattr(read, "skipped", None)
     if skipped:
         print(skipped.summary())
     return 0
-
-
-def _in_models_classes(dataset, model, args: argparse.Namespace):
-    """The dataset with labels in the model's class order where both name the same classes (a folder sorts them, a
-    built-in dataset may not); where the names differ, a warning that labels are compared by position."""
-    from .data import in_class_order
-
-    names = getattr(model, "class_names", None)
-    if not names or list(names) == list(dataset.classes):
-        return dataset
-    if sorted(names) == sorted(dataset.classes):
-        print(f"{args.data}'s classes matched to {args.checkpoint}'s by name (they are in another order)")
-        return in_class_order(dataset, list(names))
-
-    def some(values) -> str:
-        return ", ".join(values[:4]) + (", ..." if len(values) > 4 else "")
-
-    warnings.warn(
-        f"{args.data}'s classes ({some(dataset.classes)}) are not {args.checkpoint}'s ({some(names)}): labels are "
-        "compared by position, the dataset's first class as the model's first.",
-        stacklevel=2,
-    )
-    return dataset
 
 
 def _shots(text: str) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from tqdm import tqdm
 
 from .architectures import Model
 from .augment import eval_batch
-from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset
+from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset, in_class_order
 from .distributed import World, all_reduce_sum, is_sharded
 from .errors import ImageError, reporting_dead_workers
 from .images import SkipLog, image_paths, read_image
@@ -30,6 +31,7 @@ class EvalResult:
     confusion: torch.Tensor  # (K, K) int64
     top5_correct: int
     loss_sum: float
+    classes_matched: str = "same"  # how the dataset's classes met the model's: `in_models_classes`
 
     @property
     def count(self) -> int:
@@ -116,6 +118,7 @@ def evaluate(
     bar on a terminal (none in a log)."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: evaluate at least one image per batch (e.g. 1000).")
+    dataset, matched = in_models_classes(dataset, model)
     device = device_of(model)
     rank, size = (world.rank, world.size) if world else (0, 1)
     indices = list(range(rank, len(dataset), size))
@@ -148,7 +151,29 @@ def evaluate(
     if world is not None:
         for t in (confusion, top5, loss):
             all_reduce_sum(t, world)
-    return EvalResult(confusion.cpu(), int(top5), float(loss))
+    return EvalResult(confusion.cpu(), int(top5), float(loss), matched)
+
+
+def in_models_classes(dataset: LabelledDataset, model: Model) -> tuple[LabelledDataset, str]:
+    """`dataset` with its labels in the order of the model's classes, and how they were matched: "same" (the same
+    names in the same order, or one side names none), "by name" (the same names in another order, as a folder sorts
+    them and a built-in dataset may not: relabelled), or "by position" (other names, as after renaming a folder:
+    the dataset's first class is compared with the model's first, with a warning)."""
+    names, classes = getattr(model, "class_names", None), getattr(dataset, "classes", None)
+    if not names or not classes or list(names) == list(classes):
+        return dataset, "same"
+    if sorted(names) == sorted(classes):
+        return in_class_order(dataset, list(names)), "by name"
+
+    def some(values) -> str:
+        return ", ".join(values[:4]) + (", ..." if len(values) > 4 else "")
+
+    warnings.warn(
+        f"the dataset's classes ({some(list(classes))}) are not the model's ({some(list(names))}): labels are "
+        "compared by position, the dataset's first class as the model's first.",
+        stacklevel=3,
+    )
+    return dataset, "by position"
 
 
 def calibration_batches(
