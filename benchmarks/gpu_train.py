@@ -96,7 +96,9 @@ def main() -> None:
             for k, seconds in rate.items()
         ]
         settings = {k: v for k, v in vars(args).items() if k != "out"}
-        write_record(args.out, {**record_header("gpu-train"), "device": name, "settings": settings, "rows": rows})
+        header = record_header("gpu-train")
+        header["machine"]["device"] = device.type  # the tables name a GPU record by its GPU
+        write_record(args.out, {**header, "device": name, "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -53,6 +53,14 @@ def instructions(machine: dict) -> str:
 
 
 def label(machine: dict) -> str:
+    """The machine's name in the tables: its GPU where the record ran on one; else its CPU's microarchitecture (or
+    vendor and instructions), marked as a GPU machine's host where it has a GPU (another machine than a CPU one)."""
+    if machine.get("device") == "cuda":
+        return machine["gpu"].removeprefix("NVIDIA ")
+    return cpu_label(machine) + (f" ({machine['gpu'].removeprefix('NVIDIA ')} host)" if machine.get("gpu") else "")
+
+
+def cpu_label(machine: dict) -> str:
     cpu, family, model = machine["cpu"], machine.get("family"), machine.get("model")
     vendor = "AMD" if "AMD" in cpu else "Intel" if "Intel" in cpu else cpu.split()[0]
     if (vendor, family, model) in MICROARCHITECTURES:
@@ -137,17 +145,16 @@ def summary(records: list[dict]) -> str:
 
 def bench(records: list[dict]) -> str:
     """`vitkit bench`: inference FLOP/s as a fraction of the machine's own matmul rate, plain / optimized."""
+    records = [r for r in records if r.get("benchmark") == "bench" and r["machine"].get("device") != "cuda"]
     cells: dict[tuple, dict[str, dict[str, float]]] = {}
     for record in sorted(records, key=lambda r: r.get("date") or ""):
-        if record.get("benchmark") != "bench":
-            continue
         for row in record["rows"]:
             if row["kind"] == "inference":
                 key = (record["model"], row["image_size"], row["batch"], row["precision"])
                 cells.setdefault(key, {}).setdefault(label(record["machine"]), {})[row["mode"]] = row[
                     "fraction_of_matmul"
                 ]
-    columns = machines_in([r for r in records if r.get("benchmark") == "bench"])
+    columns = machines_in(records)
     rows = []
     for key in sorted(cells, key=lambda k: (k[0], k[3], k[1], k[2])):
         per = cells[key]
@@ -233,8 +240,11 @@ def machines(records: list[dict]) -> str:
     rows = []
     for name in machines_in(records):
         m, threads, count = seen[name]
-        bf16 = "native" if m.get("bf16_native_cpu") else "emulated"
-        rows.append([name, m["cpu"], instructions(m), bf16, ", ".join(str(t) for t in sorted(threads)), str(count)])
+        on_gpu = m.get("device") == "cuda"
+        bf16 = "native" if m.get("bf16_native_gpu" if on_gpu else "bf16_native_cpu") else "emulated"
+        what = f"{m['gpu']} (host: {m['cpu']})" if on_gpu else m["cpu"]
+        rows.append([name, what, "CUDA" if on_gpu else instructions(m), bf16,
+                     ", ".join(str(t) for t in sorted(threads)), str(count)])  # fmt: skip
     return markdown(["machine", "CPU", "instructions", "bf16", "threads", "records"], rows, right=1)
 
 
@@ -298,6 +308,9 @@ def deploy(records: list[dict]) -> str:
                 "vitkit int8": over("vitkit int8", ["vitkit bf16"]),
             }
             cells = [f"{medians[c]:.1f}{notes.get(c, '')}" if c in medians else "" for c in copies]
+            errors = {c["copy"]: c["max_error_relative"] for c in record["cells"] if c["batch"] == batch}
+            if errors.get("vitkit int8", 1.0) < 1e-4:  # logits of fp32 arithmetic: the quantizer quantized nothing
+                cells[copies.index("vitkit int8")] = "not quantized"
             rows.append([name, record["model"], str(batch), *cells])
     return markdown(["machine", "model", "batch", *copies], rows, right=len(copies))
 
@@ -378,12 +391,82 @@ def own_images_batch(records: list[dict]) -> str:
     return markdown(head, rows, right=len(batches) + 1)
 
 
+PEER_GRAPH = "ONNX, variable (the peer)"
+
+
+def openvino_graphs(records: list[dict]) -> str:
+    """benchmarks/openvino_graphs.py: one image through each graph OpenVINO can be given of the same model, ms per
+    image and speed over the graph its peer runs (the median of the rounds' ratios), with the compiled graph's
+    Transpose and Reorder layers where the record counted them; per machine, its latest record."""
+    latest: dict[str, dict] = {}
+    for record in sorted((r for r in records if r.get("benchmark") == "openvino-graphs"), key=lambda r: r["date"]):
+        latest[label(record["machine"])] = record
+    rows = []
+    for name in machines_in(list(latest.values())):
+        record = latest[name]
+        for cell in record["cells"]:
+            peer = next(c for c in record["cells"] if c["precision"] == cell["precision"] and c["graph"] == PEER_GRAPH)
+            speed = statistics.median(p / c for p, c in zip(peer["rounds_ms"], cell["rounds_ms"]))
+            layers = cell.get("layers")
+            counts = f"{layers.get('Transpose', 0)} / {layers.get('Reorder', 0)}" if layers else "-"
+            rows.append([name, record["model"], cell["precision"], cell["graph"], f"{cell['ms']:.2f}", f"{speed:.3f}x",
+                         counts])  # fmt: skip
+    head = ["machine", "model", "precision", "graph", "ms / image", "speed over the peer's graph",
+            "Transpose / Reorder layers"]  # fmt: skip
+    return markdown(head, rows, right=3)
+
+
+def gpu_records(records: list[dict], benchmark: str) -> list[dict]:
+    """The records of `benchmark` that ran on a GPU, oldest first."""
+    runs = [r for r in records if r.get("benchmark") == benchmark and r["machine"].get("device") == "cuda"]
+    return sorted(runs, key=lambda r: r.get("date") or "")
+
+
+def gpu_train(records: list[dict]) -> str:
+    """benchmarks/gpu_train.py: the training step of vitkit and timm on one GPU, images/s and MFU."""
+    rows = []
+    for record in gpu_records(records, "gpu-train"):
+        s, rate = record["settings"], {r["library"]: r for r in record["rows"]}
+        ours, timm = rate["vitkit"], rate["timm"]
+        rows.append([label(record["machine"]), s["model"], str(s["image_size"]), str(s["batch"]),
+                     "bf16, compiled" if s["compile"] else "bf16", f"{ours['images_per_s']:,.0f}",
+                     f"{timm['images_per_s']:,.0f}", f"{ours['images_per_s'] / timm['images_per_s']:.2f}x",
+                     f"{100 * ours['mfu']:.1f}%", f"{100 * timm['mfu']:.1f}%"])  # fmt: skip
+    head = ["GPU", "model", "px", "batch", "precision", "vitkit img/s", "timm img/s", "vitkit / timm", "vitkit MFU",
+            "timm MFU"]  # fmt: skip
+    return markdown(head, rows, right=5)
+
+
+def gpu_inference(records: list[dict]) -> str:
+    """`vitkit bench` on a GPU: images/s of `optimize`'s copy and of the plain model, each one's FLOP/s over the
+    GPU's own matmul rate in the same rounds, and peak memory."""
+    rows = []
+    for record in gpu_records(records, "bench"):
+        cells: dict[tuple, dict[str, dict]] = {}
+        for r in record["rows"]:
+            if r["kind"] == "inference":
+                cells.setdefault((r["image_size"], r["batch"], r["precision"]), {})[r["mode"]] = r
+        for (px, batch, precision), per in sorted(cells.items()):
+            fast, plain = per["optimized"], per["plain"]
+            rows.append([label(record["machine"]), record["model"], str(px), str(batch), precision,
+                         f"{fast['images_per_s']:,.0f}", f"{plain['images_per_s']:,.0f}",
+                         f"{fast['images_per_s'] / plain['images_per_s']:.2f}x",
+                         f"{fast['fraction_of_matmul']:.2f} / {plain['fraction_of_matmul']:.2f}",
+                         f"{fast['peak_memory_mb']:,.0f} / {plain['peak_memory_mb']:,.0f}"])  # fmt: skip
+    head = ["GPU", "model", "px", "batch", "precision", "optimized img/s", "plain img/s", "optimized / plain",
+            "of matmul rate (optimized / plain)", "peak MB (optimized / plain)"]  # fmt: skip
+    return markdown(head, rows, right=5)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "gpu-train": gpu_train,
+    "gpu-inference": gpu_inference,
     "own-images-digits": own_images("digits"),
     "own-images-batch": own_images_batch,
     "own-images-animal-mnist": own_images("animal-mnist"),
     "deploy": deploy,
     "runtimes": runtimes,
+    "openvino-graphs": openvino_graphs,
     "inference": inference,
     "training": training,
     "summary": summary,

@@ -167,6 +167,7 @@ def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_f
     assert vitkit_rate == 1.0 and timm_rate > 0
     record = json.loads((tmp_path / "gpu.json").read_text())  # the printed figures, as a record
     assert record["benchmark"] == "gpu-train" and [r["library"] for r in record["rows"]] == ["vitkit", "timm"]
+    assert record["machine"]["device"] == "cpu"  # where it ran: the tables name a GPU record by its GPU
     for (_, images_per_s, mfu, _), row in zip(found, record["rows"], strict=True):
         assert row["images_per_s"] == pytest.approx(float(images_per_s), rel=0.01)
         assert 100 * row["mfu"] == pytest.approx(float(mfu), abs=0.06) and len(row["rounds_s"]) == 1

@@ -39,3 +39,32 @@ def test_an_unknown_table_name_is_refused_with_the_choices(tmp_path):
     doc.write_text("<!-- tables.py: speed -->\n<!-- /tables.py -->\n")
     done = run_tables("--check", str(doc))
     assert done.returncode != 0 and "unknown table 'speed'" in done.stderr and "inference" in done.stderr
+
+
+def test_a_gpu_machines_records_are_named_by_its_gpu_or_as_its_host_and_unquantized_int8_is_not_shown(tmp_path):
+    """A record that ran on the GPU goes by the GPU's name; one that ran on such a machine's CPU by the CPU's, marked
+    as the GPU's host (another machine than the CPU-only ones). An int8 copy whose logits match fp32's was not
+    quantized, and its speed is not shown as int8's."""
+    import json
+
+    host = {"cpu": "Intel(R) Xeon(R) Processor (family 6, model 207)", "family": 6, "model": 207,
+            "flags": ["avx512f", "amx_tile"], "threads": 2, "gpu": "NVIDIA H200"}  # fmt: skip
+    train = {"benchmark": "gpu-train", "machine": {**host, "device": "cuda"}, "date": "2026-01-01T00:00Z",
+             "settings": {"model": "ViT-B/16", "image_size": 224, "batch": 256, "compile": True},
+             "rows": [{"library": "vitkit", "images_per_s": 4000.0, "mfu": 0.4},
+                      {"library": "timm", "images_per_s": 3200.0, "mfu": 0.36}]}  # fmt: skip
+    copies = {"vitkit bf16": (50.0, 1e-2), "openvino bf16": (50.0, 1e-2), "vitkit int8": (20.0, 1e-6)}
+    cells = [{"batch": 1, "copy": name, "images_per_s": rate, "rounds": [rate] * 3, "max_error_relative": error}
+             for name, (rate, error) in copies.items()]  # fmt: skip
+    deploy = {"benchmark": "deploy", "machine": host, "date": "2026-01-01T00:00Z", "model": "ViT-S/16", "cells": cells}
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, record in {"train": train, "deploy": deploy}.items():
+        (results / f"{name}.json").write_text(json.dumps(record))
+    doc = tmp_path / "doc.md"
+    doc.write_text("".join(f"<!-- tables.py: {t} -->\n<!-- /tables.py -->\n" for t in ("gpu-train", "deploy")))
+    assert run_tables("--results", str(results), str(doc)).returncode == 0
+    text = doc.read_text()
+    assert "| H200 | ViT-B/16 | 224 | 256 | bf16, compiled | 4,000 | 3,200 | 1.25x | 40.0% | 36.0% |" in text
+    deploy_row = next(line for line in text.splitlines() if line.startswith("| Emerald Rapids (H200 host) |"))
+    assert deploy_row.endswith("| 50.0 (1.00x) |  | 50.0 | not quantized |") and "20.0" not in deploy_row
