@@ -447,13 +447,15 @@ def test_openvino_refusals_name_the_fix(monkeypatch):
     model = small_model()
     with pytest.raises(ValueError, match="runtime='onnx': choose from auto, torch, openvino"):
         optimize(model, runtime="onnx")
-    with pytest.raises(ValueError, match="precision='int8' with runtime='openvino'"):
-        optimize(model, "int8", runtime="openvino", calibration=torch.randn(2, 3, 32, 32))
+    with pytest.raises(ValueError, match="runtime='onnx': choose from auto, torch, openvino"):
+        optimize(model, "int8", runtime="onnx", calibration=torch.randn(2, 3, 32, 32))
     with pytest.raises(ValueError, match="those are torch's"):
         optimize(model, "fp32", runtime="openvino", pack=True)
     monkeypatch.setattr(opt, "openvino_available", lambda: False)
     with pytest.raises(ValueError, match="pip install openvino"):
         optimize(model, "fp32", runtime="openvino")
+    with pytest.raises(ValueError, match="needs OpenVINO and NNCF: pip install openvino nncf"):
+        optimize(model, "int8", runtime="openvino", calibration=torch.randn(2, 3, 32, 32))
 
 
 def test_openvino_copy_keeps_what_the_checkpoint_records_and_is_for_inference_on_the_cpu_only():
@@ -530,7 +532,7 @@ def test_int8_refuses_a_copy_whose_linear_layers_the_quantizer_left_in_fp32(monk
     with pytest.raises(
         ValueError, match=rf"quantized 0 of the model's {linears} linear layers, .*precision='bf16'"
     ) as e:
-        optimize(model, "int8", calibration=torch.randn(2, 3, 32, 32))
+        optimize(model, "int8", calibration=torch.randn(2, 3, 32, 32), runtime="torch")
     assert f"torch {torch.__version__}" in str(e.value) and "torchao" in str(e.value)
 
 
@@ -561,6 +563,54 @@ def trained_digits_model() -> tuple[vitkit.VisionTransformer, torch.Tensor, torc
     return model.eval(), images[:1400], labels[:1400], images[1400:], labels[1400:]
 
 
+def needs_nncf() -> None:
+    needs_openvino()
+    pytest.importorskip("nncf", reason="int8 in OpenVINO needs the optional nncf, its quantizer (vitkit[int8])")
+
+
+@pytest.mark.slow
+def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at_any_batch_size(capsys):
+    """Where OpenVINO and NNCF are installed, "auto" quantizes with NNCF and runs the copy in OpenVINO: top-1 on
+    held-out digits within 1 point of fp32 (4 of 397 images), one image at a time (the single-image copy) as in one
+    batch (the batch copy) to a quantization step, and NNCF's own progress output kept off the caller's."""
+    needs_nncf()
+    model, train_images, _, test_images, test_labels = trained_digits_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
+        quantized = optimize(model, "int8", calibration=train_images[:256])
+    assert isinstance(quantized, opt.OpenVINOModel) and "OpenVINO int8" in repr(quantized)
+    assert quantized.config == model.config and capsys.readouterr().out == ""
+    with torch.no_grad():
+        fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()
+        logits = quantized(test_images)
+        int8_top1 = (logits.argmax(1) == test_labels).float().mean().item()
+        assert fp32_top1 >= 0.8, fp32_top1  # a trained model (chance: 0.1), so the bound below means something
+        assert int8_top1 >= fp32_top1 - 0.01, (int8_top1, fp32_top1)
+        single = torch.cat([quantized(test_images[i : i + 1]) for i in range(8)])
+        assert (single - logits[:8]).abs().max() <= 0.05 * logits.abs().max()
+
+
+def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_where_nncf_fails(monkeypatch):
+    """runtime="openvino" without NNCF is refused by name; "auto" without it quantizes with PT2E; where NNCF leaves
+    the linear layers in fp32, runtime="openvino" is refused and "auto" warns and falls back to PT2E."""
+    needs_nncf()
+    needs_torchao()
+    import nncf
+
+    model, images = small_model(), torch.randn(4, 3, 32, 32)
+    monkeypatch.setattr(opt, "nncf_available", lambda: False)
+    with pytest.raises(ValueError, match="needs OpenVINO and NNCF: pip install openvino nncf"):
+        optimize(model, "int8", calibration=images, runtime="openvino")
+    assert isinstance(optimize(model, "int8", calibration=images), opt.Int8Model)
+    monkeypatch.undo()
+    monkeypatch.setattr(nncf, "quantize", lambda graph, *args, **kwargs: graph)  # quantizes nothing
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + 1  # and the patch embedding's
+    with pytest.raises(ValueError, match=f"NNCF quantized 0 of the compiled graph's {linears} linear layers"):
+        optimize(model, "int8", calibration=images, runtime="openvino")
+    with pytest.warns(UserWarning, match="PT2E quantizes it instead"):
+        assert isinstance(optimize(model, "int8", calibration=images), opt.Int8Model)
+
+
 @pytest.mark.slow
 def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_reference():
     """Top-1 on held-out digits within 1 point of fp32 (4 of 397 images); the compiled int8 copy (oneDNN's int8
@@ -574,7 +624,7 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
     counters.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
-        quantized = optimize(model, "int8", calibration=train_images[:256])
+        quantized = optimize(model, "int8", calibration=train_images[:256], runtime="torch")
     assert isinstance(quantized, opt.Int8Model) and quantized.config == model.config
     with torch.no_grad():
         fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()

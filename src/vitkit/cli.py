@@ -36,7 +36,8 @@ def _add_optimize_option(p: argparse.ArgumentParser, runtime: bool = False) -> N
             choices=OPTIMIZE_RUNTIMES,
             help="what runs the optimized copy: torch (vitkit's own kernels), openvino (CPU; pip install openvino), "
             "or auto: OpenVINO where it is installed on an x86 CPU and the images are work enough to pay back "
-            "converting the model (about 300 ViT-S/16 images), else torch (default auto)",
+            "converting the model (about 300 ViT-S/16 images), else torch; int8 with auto: OpenVINO's quantizer "
+            "(NNCF) where OpenVINO and NNCF are installed, else PT2E (default auto)",
         )
 
 

@@ -131,11 +131,12 @@ def _int8(model, args: argparse.Namespace, calibration, source: str):
         raise ValueError(
             "--precision int8 with --no-optimize: int8 is the copy vitkit.optimize makes; drop --no-optimize."
         )
-    if args.runtime == "openvino":
-        raise ValueError("--precision int8 with --runtime openvino: vitkit's int8 copy runs in torch; drop --runtime.")
     count = sum(len(x) for x in calibration) if isinstance(calibration, list) else len(calibration)
-    fast = optimize(model, "int8", calibration=calibration)
-    print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
+    fast = optimize(model, "int8", calibration=calibration, runtime=args.runtime)
+    if getattr(fast, "runtime", None) == "openvino":
+        print(f"int8 (OpenVINO): activations calibrated on {count} images ({source})")
+    else:
+        print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
     return fast
 
 

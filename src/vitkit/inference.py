@@ -14,11 +14,12 @@ What it does (each step kept where it paid; figures in docs/PERFORMANCE.md):
 - OpenVINO (`runtime="openvino"`, and by default where `openvino_pays`): the model converted by OpenVINO's PyTorch
   frontend and compiled by its CPU plugin in fp32 or bf16, behind the same interface (`OpenVINOModel`); its logits
   are checked against the model's own before it is returned;
-- int8 (asked for by name only, since it changes the results): PyTorch's PT2E quantization with the x86 inductor
-  quantizer (torchao's): every linear layer's weight int8 per output channel, its input 8-bit per tensor (unsigned,
-  with a zero point) with a scale calibrated on a few batches the caller passes, then `torch.compile` with freezing,
-  which lowers each layer to oneDNN's int8 linear. Fast where the CPU has int8 dot-product instructions (AVX-512
-  VNNI, AVX-VNNI or AMX).
+- int8 (asked for by name only, since it changes the results): every linear layer's weight int8 per output channel,
+  its input 8-bit per tensor, with scales calibrated on a few batches the caller passes. Where OpenVINO runs the
+  model (`openvino_pays`) and NNCF is installed, OpenVINO's own quantizer (NNCF) and CPU plugin
+  (`quantize_int8_openvino`); otherwise PyTorch's PT2E quantization with the x86 inductor quantizer (torchao's),
+  then `torch.compile` with freezing, which lowers each layer to oneDNN's int8 linear (`quantize_int8`). Fast where
+  the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX).
 
 bf16 is only fast where the hardware has it: CUDA GPUs with bf16 units, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere oneDNN emulates it and it is several times slower than fp32: `precision="auto"` then picks fp32,
@@ -27,8 +28,10 @@ and an explicit `"bf16"` warns.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import io
 import typing
 import warnings
 
@@ -142,6 +145,15 @@ def openvino_available() -> bool:
     return True
 
 
+def nncf_available() -> bool:
+    """Whether NNCF, OpenVINO's quantizer, is installed (with torchao, the optional extra `vitkit[int8]`)."""
+    try:
+        import nncf  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @functools.cache
 def openvino_core() -> typing.Any:
     """The one `openvino.Core` that vitkit compiles with, kept for the life of the process. OpenVINO's CPU plugin
@@ -177,31 +189,39 @@ def optimize(
     rounding; int8: to int8 quantization), on the model's device.
 
     `precision`: "fp32", "bf16" (weights cast once), "auto" (bf16 where the hardware has it, else fp32), or
-    "int8" (CPU only; see `quantize_int8`; "auto" never picks it, since it changes the results).
+    "int8" (CPU only; see `quantize_int8_openvino` and `quantize_int8`; "auto" never picks it, since it changes
+    the results).
     `calibration`: for int8 only, images to calibrate the activations' scales on (see `quantize_int8`).
     `pack`: pack linear weights for MKL (fp32) or oneDNN (bf16) (default: where it pays, `packing_pays`). Each
     packing is a copy of the linear weights, made at the first call with a batch size of up to `PACKED_MAX_ROWS`
     rows, at most `MAX_PACKINGS` of them (ViT-B/16: 340 MB each in fp32, 170 MB in bf16; bf16 runs larger batches
     with the packing for 1 row).
     `compile`: torch.compile the result (slow to start; for long runs).
-    `runtime`: "torch" (vitkit's own kernels, as above), "openvino" (an `OpenVINOModel`: the model converted and
-    compiled by OpenVINO, CPU only, fp32 or bf16) or "auto": OpenVINO where `openvino_pays`, unless `pack` or
-    `compile` is given; if the conversion fails or its logits differ, with a warning, vitkit's own kernels.
+    `runtime`: "torch" (vitkit's own kernels, as above; int8: PT2E), "openvino" (an `OpenVINOModel`: the model
+    converted and compiled by OpenVINO, CPU only; int8: quantized by NNCF) or "auto": OpenVINO where `openvino_pays`
+    (int8: and NNCF is installed), unless `pack` or `compile` is given; if the conversion fails or its logits differ,
+    with a warning, vitkit's own kernels.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() takes a model (nn.Module), got {type(model).__name__}.")
     if precision == "int8":
-        if runtime == "openvino":
-            raise ValueError(
-                "precision='int8' with runtime='openvino': int8 runs in torch (PT2E); leave runtime at 'auto'."
-            )
         if pack or compile:
             raise ValueError(
                 "precision='int8' with pack=True or compile=True: int8 is always compiled (freezing "
                 "packs its weights); leave both at their defaults."
             )
-        # An Int8Model: a VisionTransformer's inference interface (forward, config, class_names)
-        return typing.cast(VisionTransformer, quantize_int8(model, calibration))
+        if runtime not in OPTIMIZE_RUNTIMES:
+            raise ValueError(f"runtime={runtime!r}: choose from {', '.join(OPTIMIZE_RUNTIMES)}.")
+        device = next(model.parameters()).device
+        batches = _calibration_batches(calibration)
+        if runtime == "openvino" or (runtime == "auto" and openvino_pays("fp32", device) and nncf_available()):
+            try:  # an OpenVINOModel or an Int8Model: a VisionTransformer's inference interface
+                return typing.cast(VisionTransformer, quantize_int8_openvino(model, batches, device))
+            except (ValueError, RuntimeError) as e:
+                if runtime == "openvino":
+                    raise
+                warnings.warn(f"{e} PT2E quantizes it instead.", stacklevel=2)
+        return typing.cast(VisionTransformer, quantize_int8(model, batches))
     if calibration is not None:
         raise ValueError(
             f"calibration= with precision={precision!r}: only int8 is calibrated; pass "
@@ -341,31 +361,8 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
     """The model converted by OpenVINO's PyTorch frontend (`openvino.convert_model`, with a variable batch axis) and
     compiled for the CPU in `precision` ("fp32" or "bf16") with torch's number of threads; refused (ValueError)
     unless its logits on two random images match the model's own within `OPENVINO_TOLERANCE`."""
-    import openvino
-
-    plain = copy.deepcopy(model).eval().requires_grad_(False).float()
-    c = plain.config
-    example = torch.randn(2, c.in_chans, *c.image_size, generator=torch.Generator().manual_seed(0))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the tracer's notes on the model's shape checks
-            graph = openvino.convert_model(
-                plain, example_input=example, input=[openvino.PartialShape([-1, c.in_chans, *c.image_size])]
-            )
-    except Exception as e:  # the frontend raises its own types for an operator it cannot convert
-        raise ValueError(f"OpenVINO could not convert this model ({type(e).__name__}: {str(e)[:200]}).") from e
-    settings = {
-        "INFERENCE_NUM_THREADS": torch.get_num_threads(),
-        "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
-    }
-    core = openvino_core()
-    batched = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "THROUGHPUT"})
-    # Single images with the shape fixed at one image, which the plugin plans for; not the hybrid (or any CNN stem),
-    # whose graph OpenVINO's CPU plugin (2026.4) crashes on compiling with a fixed shape.
-    if isinstance(plain, VisionTransformer) and plain.config.hybrid is None:
-        graph.reshape([1, c.in_chans, *c.image_size])
-    single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
-    fast = OpenVINOModel(single, batched, model, precision)
+    plain, example = _plain_copy(model)
+    fast = _compiled_in_openvino(_openvino_graph(plain, example), model, precision)
     with torch.inference_mode():
         reference = plain(example)
     got = torch.cat([fast(example[:1]), fast(example[1:]), fast(example)])  # each compiled copy
@@ -376,6 +373,45 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
             f"{OPENVINO_TOLERANCE[precision]:.0e})."
         )
     return fast
+
+
+def _plain_copy(model: VisionTransformer) -> tuple[VisionTransformer, torch.Tensor]:
+    """An fp32 copy of `model` for OpenVINO's frontend to trace, and two random images to trace it with."""
+    plain = copy.deepcopy(model).eval().requires_grad_(False).float()
+    c = plain.config
+    return plain, torch.randn(2, c.in_chans, *c.image_size, generator=torch.Generator().manual_seed(0))
+
+
+def _openvino_graph(plain: VisionTransformer, example: torch.Tensor) -> typing.Any:
+    """`plain` converted by OpenVINO's PyTorch frontend (a trace of `example`), with a variable batch axis."""
+    import openvino
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer's notes on the model's shape checks
+            return openvino.convert_model(
+                plain, example_input=example, input=[openvino.PartialShape([-1, *example.shape[1:]])]
+            )
+    except Exception as e:  # the frontend raises its own types for an operator it cannot convert
+        raise ValueError(f"OpenVINO could not convert this model ({type(e).__name__}: {str(e)[:200]}).") from e
+
+
+def _compiled_in_openvino(graph: typing.Any, model: VisionTransformer, precision: str) -> OpenVINOModel:
+    """`graph` compiled for the CPU with torch's number of threads, twice (`OpenVINOModel`): its layers outside
+    the int8 ones, if any, in `precision` (int8: bf16 where it is native, else fp32)."""
+    if precision == "int8":
+        hint = "bf16" if machine.bf16_is_native("cpu") else "f32"
+    else:
+        hint = {"fp32": "f32", "bf16": "bf16"}[precision]
+    settings = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "INFERENCE_PRECISION_HINT": hint}
+    core = openvino_core()
+    batched = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "THROUGHPUT"})
+    # Single images with the shape fixed at one image, which the plugin plans for; not the hybrid (or any CNN stem),
+    # whose graph OpenVINO's CPU plugin (2026.4) crashes on compiling with a fixed shape.
+    if isinstance(model, VisionTransformer) and model.config.hybrid is None:
+        graph.reshape([1, model.config.in_chans, *model.config.image_size])
+    single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
+    return OpenVINOModel(single, batched, model, precision)
 
 
 def _plain_linear(module: nn.Module) -> typing.TypeGuard[nn.Linear]:
@@ -466,13 +502,7 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
     except ImportError:
         raise ValueError("precision='int8' needs torchao (pip install torchao, or vitkit[int8]).") from None
     batches = _calibration_batches(calibration)
-    missing = machine.int8_fast_path_missing()
-    if missing:
-        warnings.warn(
-            f"this CPU has no {missing}, oneDNN's fast int8 path: int8 may run no faster than fp32 "
-            "here. precision='auto' gives the fastest copy with the model's own results.",
-            stacklevel=3,
-        )
+    _warn_without_fast_int8()
     plain = copy.deepcopy(model).eval().requires_grad_(False)
     _plain_nn_linears(plain)
     example = batches[0][:2].to(device=device, dtype=torch.float32)
@@ -512,6 +542,63 @@ def _check_all_linears_quantized(quantized: torch.fx.GraphModule, plain: nn.Modu
             f"quantized {done} of the model's {linears} linear layers, so the copy would not be int8. Install a "
             "torchao and torch that quantize together (the newest of each that vitkit allows), or use "
             "precision='bf16'."
+        )
+
+
+def quantize_int8_openvino(
+    model: VisionTransformer, calibration: torch.Tensor | typing.Iterable | None, device: torch.device
+) -> OpenVINOModel:
+    """An int8 copy of `model` run by OpenVINO: the model converted as for `to_openvino`, quantized by NNCF
+    (OpenVINO's quantizer, with its transformer preset: every linear layer's weight int8 per output channel, its
+    input 8-bit per tensor, with scales observed on `calibration`, batches as for `quantize_int8`), and compiled by
+    OpenVINO's CPU plugin, which runs each such layer as an int8 GEMM (VNNI or AMX). Refused (ValueError) unless
+    every linear layer of the compiled graph (the patch embedding's too) runs in int8. Warns where the CPU has no
+    fast int8 path."""
+    if device.type != "cpu" or not machine.x86():
+        raise ValueError(
+            f"precision='int8' in OpenVINO runs on x86 CPUs only; the model is on {device}: move it with .cpu(), or "
+            "use runtime='torch'."
+        )
+    if not (openvino_available() and nncf_available()):
+        raise ValueError(
+            "precision='int8' with runtime='openvino' needs OpenVINO and NNCF: pip install openvino nncf (or "
+            "vitkit[openvino,int8]); runtime='torch' quantizes with PT2E instead."
+        )
+    import nncf
+
+    batches = _calibration_batches(calibration)
+    _warn_without_fast_int8()
+    plain, example = _plain_copy(model)
+    graph = _openvino_graph(plain, example)
+    data = nncf.Dataset([images.to(dtype=torch.float32, device="cpu").numpy() for images in batches])
+    # NNCF's progress bars and notes are its own output, not the caller's.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        quantized = nncf.quantize(graph, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
+    fast = _compiled_in_openvino(quantized, model, "int8")
+    ops = fast.single.get_runtime_model().get_ordered_ops()
+    linears = [op.get_rt_info()["runtimePrecision"].astype(str) for op in ops if _layer_type(op) == "FullyConnected"]
+    done = sum(p in ("u8", "i8") for p in linears)
+    if done < len(linears):
+        raise ValueError(
+            f"precision='int8': NNCF quantized {done} of the compiled graph's {len(linears)} linear layers (the "
+            "patch embedding's among them), so the copy would not be int8."
+        )
+    return fast
+
+
+def _layer_type(op: typing.Any) -> str:
+    """The kind of a layer of a graph OpenVINO compiled (FullyConnected, Transpose, ...)."""
+    return str(op.get_rt_info()["layerType"].astype(str))
+
+
+def _warn_without_fast_int8() -> None:
+    """Warn, at the caller of `optimize`, where the CPU has no int8 dot-product instructions."""
+    missing = machine.int8_fast_path_missing()
+    if missing:
+        warnings.warn(
+            f"this CPU has no {missing}, the fast int8 path: int8 may run no faster than fp32 here. "
+            "precision='auto' gives the fastest copy with the model's own results.",
+            stacklevel=4,
         )
 
 
