@@ -1,7 +1,8 @@
 """vitkit.optimize (fp32, bf16, int8) beside ONNX Runtime and OpenVINO on the same weights, side by side in
 interleaved rounds, written as a JSON record (machine, versions, date, commit, command, every round).
-Where `optimize` runs the model in OpenVINO (its default on x86 CPUs where OpenVINO is installed), its copy with
-vitkit's own kernels (`runtime="torch"`) is timed beside it as "vitkit torch fp32" / "vitkit torch bf16".
+Where `optimize` runs the model in OpenVINO (its default on x86 CPUs where OpenVINO is installed; int8: where NNCF is
+too), its copy with vitkit's own kernels (`runtime="torch"`; int8: PT2E) is timed beside it as "vitkit torch fp32",
+"vitkit torch bf16" and "vitkit torch int8".
 
     python benchmarks/deploy.py [--model ViT-S/16] [--batch 1 8] [--rounds 5] [--threads 2] [--out FILE]
 
@@ -44,17 +45,22 @@ def main() -> None:
     size = model.config.image_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+
+        def make_calibration() -> torch.Tensor:
+            return torch.randn(64, 3, *size, generator=torch.Generator().manual_seed(0))
+
         make = {
             "vitkit fp32": lambda: vitkit.optimize(model, "fp32"),
             "vitkit bf16": lambda: vitkit.optimize(model, "bf16"),
-            "vitkit int8": lambda: vitkit.optimize(model, "int8", calibration=torch.randn(64, 3, *size)),
+            "vitkit int8": lambda: vitkit.optimize(model, "int8", calibration=make_calibration()),
         }
         copies = {name: build() for name, build in make.items() if name not in args.skip}
-        for precision in ("fp32", "bf16"):  # where `optimize` chose a runtime, its own kernels' copy beside it
-            if f"vitkit {precision}" in copies and not isinstance(
-                copies[f"vitkit {precision}"], vitkit.VisionTransformer
-            ):
-                copies[f"vitkit torch {precision}"] = vitkit.optimize(model, precision, runtime="torch")
+        for precision in ("fp32", "bf16", "int8"):  # where `optimize` chose OpenVINO, its torch copy beside it
+            if getattr(copies.get(f"vitkit {precision}"), "runtime", None) == "openvino":
+                calibration = make_calibration() if precision == "int8" else None
+                copies[f"vitkit torch {precision}"] = vitkit.optimize(
+                    model, precision, runtime="torch", calibration=calibration
+                )
     result = {
         **record_header("deploy"),
         "model": args.model,

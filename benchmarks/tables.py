@@ -278,12 +278,12 @@ def scaling(records: list[dict]) -> str:
 
 def deploy(records: list[dict]) -> str:
     """benchmarks/deploy.py: vitkit.optimize in fp32, bf16 and int8 beside ONNX Runtime and OpenVINO, images/s with
-    the ratio to the fastest runtime of the same precision (vitkit) or int8 over vitkit's bf16 copy."""
+    the ratio to the fastest runtime of the same precision (vitkit) or int8 (either copy) over vitkit's bf16 copy."""
     latest: dict[str, dict] = {}
     for record in sorted((r for r in records if r.get("benchmark") == "deploy"), key=lambda r: str(r.get("date"))):
         latest[label(record["machine"])] = record
     copies = ["vitkit fp32", "vitkit torch fp32", "onnxruntime fp32", "openvino fp32", "vitkit bf16",
-              "vitkit torch bf16", "openvino bf16", "vitkit int8"]  # fmt: skip
+              "vitkit torch bf16", "openvino bf16", "vitkit int8", "vitkit torch int8"]  # fmt: skip
     rows = []
     for name in machines_in(list(latest.values())):
         record = latest[name]
@@ -306,6 +306,7 @@ def deploy(records: list[dict]) -> str:
                 "vitkit bf16": over("vitkit bf16", bf16),
                 "vitkit torch bf16": over("vitkit torch bf16", bf16),
                 "vitkit int8": over("vitkit int8", ["vitkit bf16"]),
+                "vitkit torch int8": over("vitkit torch int8", ["vitkit bf16"]),
             }
             cells = [f"{medians[c]:.1f}{notes.get(c, '')}" if c in medians else "" for c in copies]
             errors = {c["copy"]: c["max_error_relative"] for c in record["cells"] if c["batch"] == batch}

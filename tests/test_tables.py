@@ -67,4 +67,4 @@ def test_a_gpu_machines_records_are_named_by_its_gpu_or_as_its_host_and_unquanti
     text = doc.read_text()
     assert "| H200 | ViT-B/16 | 224 | 256 | bf16, compiled | 4,000 | 3,200 | 1.25x | 40.0% | 36.0% |" in text
     deploy_row = next(line for line in text.splitlines() if line.startswith("| Emerald Rapids (H200 host) |"))
-    assert deploy_row.endswith("| 50.0 (1.00x) |  | 50.0 | not quantized |") and "20.0" not in deploy_row
+    assert deploy_row.endswith("| 50.0 (1.00x) |  | 50.0 | not quantized |  |") and "20.0" not in deploy_row
