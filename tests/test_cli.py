@@ -315,7 +315,7 @@ def test_eval_and_predict_precision_int8_say_what_they_calibrated_on(gray_model,
     image = save_png(tmp_path / "gray16.png", np.full((16, 16), 120, np.uint8))
     assert main(["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--threads", "1", str(image)]) == 0
     out = capsys.readouterr().out
-    assert "calibrated on 1 images (the images being predicted)" in out and out.count("%") == 5
+    assert "calibrated on 1 image (the images being predicted)" in out and out.count("%") == 5
     assert main(["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--no-optimize", str(image)]) == 2
     assert "drop --no-optimize" in capsys.readouterr().err
 

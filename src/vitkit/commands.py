@@ -133,10 +133,11 @@ def _int8(model, args: argparse.Namespace, calibration, source: str):
         )
     count = sum(len(x) for x in calibration) if isinstance(calibration, list) else len(calibration)
     fast = optimize(model, "int8", calibration=calibration, runtime=args.runtime)
+    images = f"{count} image{'s' * (count != 1)}"
     if getattr(fast, "runtime", None) == "openvino":
-        print(f"int8 (OpenVINO): activations calibrated on {count} images ({source})")
+        print(f"int8 (OpenVINO): activations calibrated on {images} ({source})")
     else:
-        print(f"int8: activations calibrated on {count} images ({source}); the first batch of each size compiles")
+        print(f"int8: activations calibrated on {images} ({source}); the first batch of each size compiles")
     return fast
 
 
