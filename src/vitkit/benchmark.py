@@ -449,7 +449,10 @@ def format_bench(result: dict) -> str:
             f"{r['images_per_s']:>10.2f}{r['gflops_per_s']:>9.1f}{fraction:>10}{mem:>9}"
         )
     if any(r["precision"] == "int8" for r in result["rows"]):
-        lines.append("int8: vitkit.optimize's copy, calibrated on the random images it times (its speed only)")
+        lines.append(
+            "int8: vitkit.optimize's copy with vitkit's own kernels (PT2E), calibrated on the random images it times "
+            "(its speed only)"
+        )
     for r in result["largest_batch"]:
         lines.append(
             f"largest batch in {result['settings']['memory_budget_gb']} GB at {r['image_size']} px, "
