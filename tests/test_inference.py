@@ -544,14 +544,16 @@ def test_int8_warns_where_the_cpu_has_no_fast_int8_path(monkeypatch):
         optimize(small_model(), "int8", calibration=torch.randn(4, 3, 32, 32))
 
 
-def trained_digits_model() -> tuple[vitkit.VisionTransformer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def trained_digits_model(
+    classifier: str = "token",
+) -> tuple[vitkit.VisionTransformer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A small ViT trained for a few seconds on scikit-learn's 8x8 digits (1,400 train, 397 test images)."""
     datasets = pytest.importorskip("sklearn.datasets", reason="the digits data set comes with scikit-learn")
     digits = datasets.load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 8 - 1  # (1797, 1, 8, 8) in [-1, 1]
     labels = torch.tensor(digits.target)
     model = vitkit.create_model("ViT-Ti/2", hidden_size=32, num_layers=2, mlp_dim=64, num_heads=2, num_classes=10,
-                                image_size=8, in_chans=1)  # fmt: skip
+                                image_size=8, in_chans=1, classifier=classifier)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
@@ -569,12 +571,14 @@ def needs_nncf() -> None:
 
 
 @pytest.mark.slow
-def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at_any_batch_size(capsys):
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at_any_batch_size(classifier, capsys):
     """Where OpenVINO and NNCF are installed, "auto" quantizes with NNCF and runs the copy in OpenVINO: top-1 on
-    held-out digits within 1 point of fp32 (4 of 397 images), one image at a time (the single-image copy) as in one
-    batch (the batch copy) to a quantization step, and NNCF's own progress output kept off the caller's."""
+    held-out digits within 1 point of fp32 (4 of 397 images), with a class token and with GAP (which NNCF's
+    SmoothQuant took to 23%), one image at a time (the single-image copy) as in one batch (the batch copy) to a
+    quantization step, and NNCF's own progress output kept off the caller's."""
     needs_nncf()
-    model, train_images, _, test_images, test_labels = trained_digits_model()
+    model, train_images, _, test_images, test_labels = trained_digits_model(classifier)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
         quantized = optimize(model, "int8", calibration=train_images[:256])
