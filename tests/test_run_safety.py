@@ -532,6 +532,29 @@ def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_stops_it_le
     assert read_checkpoint(once / "run")["step"] == 1  # the compile finished, step 1 ran and was saved
 
 
+def test_a_ctrl_c_that_an_import_wrapped_on_its_way_up_is_still_one_line(monkeypatch, capsys):
+    """Python 3.11 wraps what a class body's `__set_name__` raises in a RuntimeError; torch imports its compiler
+    lazily in such a body, so a Ctrl-C then can reach the command as a RuntimeError from a KeyboardInterrupt."""
+    from vitkit import commands
+
+    def interrupted_import(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance") from e
+
+    monkeypatch.setattr(commands, "cmd_models", interrupted_import)
+    assert main(["models"]) == 130
+    assert capsys.readouterr().err == "vitkit models: stopped (Ctrl-C)\n"
+
+    def failing(args):
+        raise RuntimeError("a failure of its own")
+
+    monkeypatch.setattr(commands, "cmd_models", failing)
+    with pytest.raises(RuntimeError, match="a failure of its own"):  # other RuntimeErrors are not Ctrl-C
+        main(["models"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.3, 1.5])
 def test_ctrl_c_while_the_command_loads_its_modules_is_one_line_without_a_traceback(delay):

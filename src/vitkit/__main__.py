@@ -9,7 +9,9 @@ def run() -> int:
         from .cli import main
 
         return main()
-    except KeyboardInterrupt:  # before a command began (a command's own are answered in `main`)
+    except (KeyboardInterrupt, RuntimeError) as e:  # before a command began (a command's own are answered in `main`)
+        if isinstance(e, RuntimeError) and not isinstance(e.__cause__, KeyboardInterrupt):
+            raise  # a Ctrl-C arrives wrapped in a RuntimeError where it hit an import in a class body (`cli.main`)
         print("vitkit: stopped (Ctrl-C) while starting; nothing was done", file=sys.stderr)
         return 130
 

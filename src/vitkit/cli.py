@@ -413,6 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C (a second one, in training): what was left, in one line
         print(f"vitkit {args.command}: {e or 'stopped (Ctrl-C)'}", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        # A Ctrl-C during a module's import inside a class body reaches here wrapped: Python 3.11 re-raises what
+        # `__set_name__` raises (torch imports its compiler lazily, in such a body) as a RuntimeError from it.
+        if not isinstance(e.__cause__, KeyboardInterrupt):
+            raise
+        print(f"vitkit {args.command}: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # stdout closed early (`vitkit predict ... | head`): end quietly, as Python's docs do
         with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor needs nothing
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the last flush at exit would fail again
