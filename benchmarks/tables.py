@@ -86,6 +86,14 @@ def machines_in(records: list[dict]) -> list[str]:
     return sorted(newest, key=lambda name: newest[name], reverse=True)
 
 
+def latest_per_machine(records: list[dict], benchmark: str) -> dict[str, dict]:
+    """Machine label -> that machine's latest record of `benchmark` (records without a date count as oldest)."""
+    latest: dict[str, dict] = {}
+    for record in sorted((r for r in records if r.get("benchmark") == benchmark), key=lambda r: r.get("date") or ""):
+        latest[label(record["machine"])] = record
+    return latest
+
+
 def latest_cells(records: list[dict], kind: str) -> dict[tuple, dict[str, dict]]:
     """(model, batch, precision) -> machine -> the row of that machine's latest compare record for it."""
     cells: dict[tuple, dict[str, dict]] = {}
@@ -279,9 +287,7 @@ def scaling(records: list[dict]) -> str:
 def deploy(records: list[dict]) -> str:
     """benchmarks/deploy.py: vitkit.optimize in fp32, bf16 and int8 beside ONNX Runtime and OpenVINO, images/s with
     the ratio to the fastest runtime of the same precision (vitkit) or int8 (either copy) over vitkit's bf16 copy."""
-    latest: dict[str, dict] = {}
-    for record in sorted((r for r in records if r.get("benchmark") == "deploy"), key=lambda r: str(r.get("date"))):
-        latest[label(record["machine"])] = record
+    latest = latest_per_machine(records, "deploy")
     copies = ["vitkit fp32", "vitkit torch fp32", "onnxruntime fp32", "openvino fp32", "vitkit bf16",
               "vitkit torch bf16", "openvino bf16", "vitkit int8", "vitkit torch int8"]  # fmt: skip
     rows = []
@@ -399,9 +405,7 @@ def openvino_graphs(records: list[dict]) -> str:
     """benchmarks/openvino_graphs.py: one image through each graph OpenVINO can be given of the same model, ms per
     image and speed over the graph its peer runs (the median of the rounds' ratios), with the compiled graph's
     Transpose and Reorder layers where the record counted them; per machine, its latest record."""
-    latest: dict[str, dict] = {}
-    for record in sorted((r for r in records if r.get("benchmark") == "openvino-graphs"), key=lambda r: r["date"]):
-        latest[label(record["machine"])] = record
+    latest = latest_per_machine(records, "openvino-graphs")
     rows = []
     for name in machines_in(list(latest.values())):
         record = latest[name]
