@@ -149,6 +149,23 @@ def test_wrong_input_size_says_how_to_fix():
         tiny()(torch.randn(1, 3, 64, 64))
 
 
+def test_images_of_the_wrong_kind_are_refused_naming_the_fix():
+    """Grayscale images for an RGB model (and back) and one image without its batch axis are refused with what to
+    do, not an error from deep inside a kernel."""
+    with pytest.raises(ValueError, match=r"has 1 channel, and the model takes RGB images: expected \(B, 3, 32, 32\)"):
+        tiny()(torch.randn(2, 1, 32, 32))
+    with pytest.raises(ValueError, match=r"takes grayscale images.*convert\('L'\)"):
+        tiny(in_chans=1)(torch.randn(2, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"not a batch of images.*add the batch axis, x\[None\]"):
+        tiny()(torch.randn(3, 32, 32))
+
+
+@pytest.mark.parametrize("changes", [{}, {"classifier": "gap"}, {"posemb": "relative"}])
+def test_an_empty_batch_gives_empty_logits_as_timms_model_does(changes):
+    model = tiny(**changes).eval()
+    assert model(torch.randn(0, 3, 32, 32)).shape == (0, model.config.num_classes)
+
+
 def test_reset_head_is_zero_initialised_and_drops_pre_logits():
     model = tiny(representation_size=16, init="trunc_normal")
     model.reset_head(7)

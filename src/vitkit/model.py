@@ -297,6 +297,28 @@ class EncoderBlock(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 
 
+def check_images(x: torch.Tensor, config: ViTConfig) -> None:
+    """Refuse (ValueError) a batch of images that is not (B, C, H, W) with the model's channels and size, naming
+    the fix."""
+    c, (h, w) = config.in_chans, config.image_size
+    expected = f"expected (B, {c}, {h}, {w})"
+    if x.ndim != 4:
+        one = " (one image: add the batch axis, x[None])" if x.ndim == 3 else ""
+        raise ValueError(f"input of shape {tuple(x.shape)} is not a batch of images: {expected}{one}.")
+    if x.shape[1] != c:
+        kind, mode = {1: ("grayscale", "L"), 3: ("RGB", "RGB")}.get(c, (f"{c}-channel", None))
+        pil = f" (PIL: image.convert({mode!r}))" if mode else ""
+        raise ValueError(
+            f"input of shape {tuple(x.shape)} has {x.shape[1]} channel{'' if x.shape[1] == 1 else 's'}, and the "
+            f"model takes {kind} images: {expected}. Convert the images{pil} before they are made tensors."
+        )
+    if tuple(x.shape[-2:]) != (h, w):
+        raise ValueError(
+            f"input of shape {tuple(x.shape)} does not match the model: {expected}. Resize the images, or call "
+            "model.set_image_size(...) to resample the position embedding."
+        )
+
+
 class VisionTransformer(nn.Module):
     """ViT: `model(x)` maps images (B, C, H, W) to logits (B, num_classes).
 
@@ -328,12 +350,7 @@ class VisionTransformer(nn.Module):
     # --- eq. (1) -------------------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Images (B, C, H, W) -> z_0 (B, N, D): patch embedding, class token, position embedding, dropout."""
-        if tuple(x.shape[-2:]) != self.config.image_size or x.ndim != 4:
-            raise ValueError(
-                f"input of shape {tuple(x.shape)} does not match the model: expected (B, {self.config.in_chans}, "
-                f"{self.config.image_size[0]}, {self.config.image_size[1]}). Resize the images, or call "
-                "model.set_image_size(...) to resample the position embedding."
-            )
+        check_images(x, self.config)
         x = x.to(self.encoder_norm.weight.dtype)  # a bf16 copy (vitkit.optimize) takes fp32 images too
         if self.stem is not None:
             x, stem_out = self.stem.forward_intermediates(x)
@@ -351,7 +368,8 @@ class VisionTransformer(nn.Module):
         Conv2d weight E is stored in) and multiplied by E. This is the strided convolution written as the matrix
         product it is; its backward is one GEMM, cheaper than the convolution's on a CPU."""
         (b, c, h, w), (ph, pw) = x.shape, self.embedding.stride  # stride = kernel size, no padding
-        patches = x.reshape(b, c, h // ph, ph, w // pw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * ph * pw)
+        gh, gw = h // ph, w // pw  # not reshape(b, -1, ...): an empty batch leaves -1 undefined
+        patches = x.reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * ph * pw)
         return linear(patches, self.embedding.weight.flatten(1), self.embedding.bias)
 
     # --- eqs. (2), (3), and the LN of (4) ------------------------------------------------------------------
