@@ -128,6 +128,19 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
+def test_export_writes_the_model_a_torch_compile_wrapper_holds_and_refuses_anything_else(tmp_path):
+    """torch.compile's wrapper names its weights `_orig_mod.*`: export writes the model inside it, under the model's
+    names. A module that is not a vitkit model (vitkit.optimize's OpenVINO and int8 copies, tested with them) is
+    refused, naming what to export instead, and nothing is written."""
+    model = tiny()
+    vitkit.export(torch.compile(model), tmp_path / "m.safetensors")
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(vitkit.load_checkpoint(tmp_path / "m.safetensors")(x), model(x))
+    with pytest.raises(ValueError, match="Identity is not a vitkit model.*export the model it was made"):
+        vitkit.export(torch.nn.Identity(), tmp_path / "i.safetensors")
+    assert not (tmp_path / "i.safetensors").exists()
+
+
 @pytest.mark.slow
 def test_convert_cli_turns_official_npz_into_each_format(tmp_path, fixtures_dir, capsys):
     src = fixtures_dir / "vit_tiny_token_params.npz"

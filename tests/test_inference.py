@@ -458,7 +458,7 @@ def test_openvino_refusals_name_the_fix(monkeypatch):
         optimize(model, "int8", runtime="openvino", calibration=torch.randn(2, 3, 32, 32))
 
 
-def test_openvino_copy_keeps_what_the_checkpoint_records_and_is_for_inference_on_the_cpu_only():
+def test_openvino_copy_keeps_what_the_checkpoint_records_and_is_for_inference_on_the_cpu_only(tmp_path):
     needs_openvino()
     model = small_model()
     model.class_names, model.trained_on = [f"c{i}" for i in range(10)], {"data": "shapes", "grayscale": False}
@@ -469,6 +469,22 @@ def test_openvino_copy_keeps_what_the_checkpoint_records_and_is_for_inference_on
         fast.train()
     with pytest.raises(ValueError, match="on the CPU"):
         fast(torch.randn(1, 3, 32, 32, device="meta"))
+    check_copy_like_the_model(fast, model, tmp_path)
+
+
+def check_copy_like_the_model(fast: torch.nn.Module, model: torch.nn.Module, tmp_path) -> None:
+    """A copy another engine runs takes what the model takes: images the model refuses are refused with its
+    message, an empty batch gives empty logits, and export names the model to write instead of writing nothing."""
+    c, (h, w) = model.config.in_chans, model.config.image_size
+    for images in [torch.randn(2, c + 2, h, w), torch.randn(c, h, w), torch.randn(1, c, h // 2, w)]:
+        with pytest.raises(ValueError) as by_model:
+            model(images)
+        with pytest.raises(ValueError, match=re.escape(str(by_model.value))):
+            fast(images)
+    assert fast(torch.randn(0, c, h, w)).shape == (0, model.config.num_classes)
+    with pytest.raises(ValueError, match=f"{type(fast).__name__} is not a vitkit model.*export the model it was"):
+        vitkit.export(fast, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 # --- int8 -----------------------------------------------------------------------------------------------------
@@ -572,7 +588,9 @@ def needs_nncf() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("classifier", ["token", "gap"])
-def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at_any_batch_size(classifier, capsys):
+def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at_any_batch_size(
+    classifier, capsys, tmp_path
+):
     """Where OpenVINO and NNCF are installed, "auto" quantizes with NNCF and runs the copy in OpenVINO: top-1 on
     held-out digits within 1 point of fp32 (4 of 397 images), with a class token and with GAP (which NNCF's
     SmoothQuant took to 23%), one image at a time (the single-image copy) as in one batch (the batch copy) to a
@@ -592,6 +610,7 @@ def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at
         assert int8_top1 >= fp32_top1 - 0.01, (int8_top1, fp32_top1)
         single = torch.cat([quantized(test_images[i : i + 1]) for i in range(8)])
         assert (single - logits[:8]).abs().max() <= 0.05 * logits.abs().max()
+    check_copy_like_the_model(quantized, model, tmp_path)
 
 
 def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_where_nncf_fails(monkeypatch):
@@ -616,7 +635,7 @@ def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_wher
 
 
 @pytest.mark.slow
-def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_reference():
+def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_reference(tmp_path):
     """Top-1 on held-out digits within 1 point of fp32 (4 of 397 images); the compiled int8 copy (oneDNN's int8
     linears) gives the logits of the quantized graph it was compiled from, which runs each layer as fp32 arithmetic
     on dequantized int8 values (the independent reference of the kernels), at batch sizes other than the
@@ -649,3 +668,4 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
     assert quantized.eval() is quantized and not quantized.training  # as `evaluate` calls it
     with pytest.raises(ValueError, match="inference only"):
         quantized.train()
+    check_copy_like_the_model(quantized, model, tmp_path)

@@ -120,6 +120,12 @@ def export(model: Model, path: str | os.PathLike, format: str = "auto", *, overw
     the path's suffix names (.onnx, .npz), else "vitkit". Class names travel in vitkit, timm and ONNX metadata and
     in Hugging Face's id2label. A BiT ResNet baseline is written in vitkit's format only. An existing file or
     non-empty directory at `path` is a FileExistsError unless `overwrite`."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model it compiles holds the weights
+    if not isinstance(model, Model):  # an optimize() copy that another engine runs holds none of the model's
+        raise ValueError(
+            f"export() writes a model's weights, and {type(model).__name__} is not a vitkit model (a copy that "
+            "vitkit.optimize made?): export the model it was made from."
+        )
     if format == "auto":
         format = formats.export_format(path)
     if not isinstance(model, VisionTransformer) and format != "vitkit":

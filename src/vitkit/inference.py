@@ -42,7 +42,7 @@ from torch import nn
 
 from . import machine
 from .kernels import LIBRARIES, Linear, fp32_library, library_available
-from .model import MlpBlock, VisionTransformer
+from .model import MlpBlock, VisionTransformer, check_images
 
 OPTIMIZE_PRECISIONS = (*machine.PRECISIONS, "int8")  # int8 for inference only, never chosen by "auto"
 OPTIMIZE_RUNTIMES = ("auto", "torch", "openvino")  # what runs the optimized copy: see `optimize`
@@ -269,7 +269,8 @@ OPENVINO_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 class InferenceCopy(nn.Module):
     """A copy of a model that another engine runs (an int8 graph, OpenVINO), with the model's inference interface:
-    images in, logits out, and the model's `config`, `class_names` and `trained_on`. Inference only."""
+    images in, logits out, and the model's `config`, `class_names` and `trained_on`; images the model would refuse
+    are refused with its message, and an empty batch gives empty logits. Inference only."""
 
     what = "this copy"
 
@@ -279,6 +280,16 @@ class InferenceCopy(nn.Module):
         self.class_names = getattr(model, "class_names", None)
         self.trained_on = getattr(model, "trained_on", None)
         self.training = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_images(x, self.config)
+        if len(x) == 0:  # a runtime's graph takes one image at least: the width of one image's logits, no rows
+            return self.run(x.new_zeros(1, *x.shape[1:]))[:0]
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of a batch of one image or more, checked against the model's input."""
+        raise NotImplementedError
 
     def train(self, mode: bool = True) -> InferenceCopy:
         """eval() (a no-op: the copy was made for inference, and a runtime's graph has no training mode); train()
@@ -310,7 +321,7 @@ class OpenVINOModel(InferenceCopy):
         self.requests = [batched.create_infer_request() for _ in range(self.streams)]
         self.precision = precision
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise ValueError(f"the OpenVINO copy runs on the CPU; the images are on {x.device}: pass them with .cpu().")
         array = x.detach().to(torch.float32).contiguous().numpy()
@@ -467,7 +478,7 @@ class Int8Model(InferenceCopy):
         super().__init__(model)
         self.program = program  # the quantized graph, compiled
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         # Freezing (weights as constants) is what lets inductor swap in oneDNN's int8 linears; it must be set in the
         # global config when a shape compiles, which `torch.compile(options=...)` does not reach for these passes.
         with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
