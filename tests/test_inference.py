@@ -613,6 +613,25 @@ def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at
     check_copy_like_the_model(quantized, model, tmp_path)
 
 
+# A child process, so that NNCF is imported afresh: importing it imports torch's C++ extension builder, whose
+# "No CUDA runtime is found" note (logged wherever a CUDA toolkit is installed without a GPU) is not for the caller.
+INT8_IN_A_FRESH_PROCESS = """
+import warnings, torch, vitkit
+warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
+model = vitkit.create_model("ViT-Ti/8", hidden_size=32, num_layers=1, mlp_dim=64, num_heads=4, image_size=32).eval()
+print(type(vitkit.optimize(model, "int8", calibration=torch.randn(4, 3, 32, 32), runtime="openvino")).__name__)
+"""
+
+
+@pytest.mark.slow
+def test_int8_in_openvino_says_nothing_of_cuda_on_a_cpu():
+    needs_nncf()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", INT8_IN_A_FRESH_PROCESS], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["OpenVINOModel"], (out.returncode, out.stderr[-2000:])
+    assert "CUDA" not in out.stderr, out.stderr[-2000:]
+
+
 def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_where_nncf_fails(monkeypatch):
     """runtime="openvino" without NNCF is refused by name; "auto" without it quantizes with PT2E; where NNCF leaves
     the linear layers in fp32, runtime="openvino" is refused and "auto" warns and falls back to PT2E."""

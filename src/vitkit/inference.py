@@ -576,6 +576,7 @@ def quantize_int8_openvino(
             "precision='int8' with runtime='openvino' needs OpenVINO and NNCF: pip install openvino nncf (or "
             "vitkit[openvino,int8]); runtime='torch' quantizes with PT2E instead."
         )
+    machine.compile_quietly_on(device)  # NNCF imports torch's C++ extension builder, which logs the CUDA note
     import nncf
 
     batches = _calibration_batches(calibration)
