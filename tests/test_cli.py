@@ -149,6 +149,21 @@ def test_predict_top_k_zero_and_an_empty_directory_are_clear_errors(gray_model, 
     assert "a directory with no images" in capsys.readouterr().err
 
 
+def test_predict_with_a_backbone_says_it_has_no_classes_to_predict(tmp_path, capsys):
+    """A model without a head (a pre-trained backbone, num_classes=0) gives features: predict says so and what to do
+    instead, in the library and the command, rather than failing on a class index."""
+    from vitkit.evaluation import predict
+
+    backbone = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=1, num_classes=0)
+    vitkit.export(backbone, tmp_path / "backbone.safetensors")
+    image = save_png(tmp_path / "a.png", __import__("numpy").zeros((16, 16, 3), "uint8"))
+    with pytest.raises(ValueError, match="no classification head"):
+        predict(backbone, [image])
+    assert main(["predict", "--checkpoint", str(tmp_path / "backbone.safetensors"), str(image)]) == 2
+    err = capsys.readouterr().err
+    assert "no classification head (num_classes=0)" in err and "vitkit finetune" in err and "Traceback" not in err
+
+
 def test_eval_batch_size_zero_is_a_clear_error(gray_model, capsys):
     assert main(["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "0"]) == 2
     err = capsys.readouterr().err

@@ -335,9 +335,10 @@ def _std(values: list[float]) -> float:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
     from .data import read_image
-    from .evaluation import image_batch, image_files, input_notes, predict
+    from .evaluation import check_has_classes, image_batch, image_files, input_notes, predict
 
     model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
+    check_has_classes(model)  # before optimizing or calibrating a copy that could not be used
     files = image_files(args.images)
     _runtime_needs_optimize(args)
     if args.precision == "int8":

@@ -251,6 +251,15 @@ def input_notes(model: Model, image: torch.Tensor) -> list[str]:
 
 
 @torch.no_grad()
+def check_has_classes(model: Model) -> None:
+    """Refuse (ValueError) a model without a classification head: it gives features, not classes to predict."""
+    if model.config.num_classes == 0:
+        raise ValueError(
+            "this model has no classification head (num_classes=0): it gives features, not classes. Fine-tune it "
+            "on labelled images first (vitkit finetune), or measure its features with vitkit eval --fewshot."
+        )
+
+
 def predict(
     model: Model,
     paths: Sequence[str | os.PathLike],
@@ -262,6 +271,7 @@ def predict(
     read gives None in its place (with a warning naming it), or with `strict` an ImageError."""
     if k < 1:
         raise ValueError(f"k={k}: ask for at least the top class (k >= 1).")
+    check_has_classes(model)
     model.eval()
     device = device_of(model)
     names = model.class_names or [str(i) for i in range(model.config.num_classes)]
