@@ -7,7 +7,7 @@ best peer: the median of the two's ratios within each round, which cancels the m
 Contenders:
 
 - vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (which runs the model in
-  OpenVINO where `vitkit.inference.openvino_pays`, else with vitkit's own kernels, bf16 weights cast once); where it
+  OpenVINO where `vitkit.copies.openvino_pays`, else with vitkit's own kernels, bf16 weights cast once); where it
   chose OpenVINO, also `optimize(..., runtime="torch")` ("vitkit torch kernels"), so that both paths are on record;
 - timm: eager (bf16: autocast), and its best CPU option, `torch.utils.mkldnn.to_mkldnn` or `torch.compile`
   (both measured, the faster one kept per cell);

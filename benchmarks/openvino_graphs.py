@@ -29,7 +29,7 @@ import vitkit
 import vitkit.model
 from vitkit import kernels, machine
 from vitkit.benchmark import record_header, write_record
-from vitkit.inference import openvino_core
+from vitkit.copies import openvino_core
 from vitkit.runtimes import runtime_versions
 
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}

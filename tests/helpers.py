@@ -107,7 +107,7 @@ class _SignalStack(ctypes.Structure):
 
 def signal_stack_is_mapped() -> bool:
     """Whether this thread's alternate signal stack, if it has one, is still mapped memory. Each `openvino.Core` that
-    is not vitkit's one (`vitkit.inference.openvino_core`) can leave the thread on a freed one, and a later signal
+    is not vitkit's one (`vitkit.copies.openvino_core`) can leave the thread on a freed one, and a later signal
     (a child process exiting) ends the whole test run with a bare segmentation fault."""
     stack = _SignalStack()
     if ctypes.CDLL(None).sigaltstack(None, ctypes.byref(stack)) != 0 or not stack.ss_sp:

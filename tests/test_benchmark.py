@@ -12,7 +12,7 @@ from helpers import SRC, perturbed, subprocess_env, tiny
 from vitkit import inference as opt
 from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, ratios_to_fastest
 from vitkit.cli import main
-from vitkit.inference import openvino_pays
+from vitkit.copies import openvino_pays
 from vitkit.machine import describe
 
 BENCHMARKS = SRC.parent / "benchmarks"

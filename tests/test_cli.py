@@ -318,9 +318,9 @@ def test_eval_and_predict_precision_int8_say_what_they_calibrated_on(gray_model,
     args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100", "--threads", "1"]
     import torch
 
-    from vitkit import inference
+    from vitkit import copies
 
-    in_openvino = inference.openvino_pays("fp32", torch.device("cpu")) and inference.nncf_available()
+    in_openvino = copies.openvino_pays("fp32", torch.device("cpu")) and copies.nncf_available()
     what = "int8 (OpenVINO)" if in_openvino else "int8"  # which quantizer "auto" picks here
     assert main([*args, "--precision", "int8", "--calibration-images", "32"]) == 0
     out = capsys.readouterr().out

@@ -69,8 +69,8 @@ def test_the_deploying_snippets_reproduce_vitkits_logits_on_photographs(in_chans
 
     import vitkit
     from vitkit.augment import eval_batch
+    from vitkit.copies import openvino_core
     from vitkit.images import read_image
-    from vitkit.inference import openvino_core
 
     export, onnxruntime_block, openvino_block = python_blocks(ROOT / "docs/USAGE.md", "## Deploying")
     monkeypatch.chdir(tmp_path)

@@ -12,8 +12,8 @@ import torch
 
 import vitkit
 from helpers import SRC
+from vitkit import copies, machine
 from vitkit import inference as opt
-from vitkit import machine
 from vitkit.inference import PackedLinear, optimize
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "mlp_dim": 64, "num_heads": 4, "num_classes": 10, "image_size": 32}
@@ -296,7 +296,7 @@ def test_openvino_copy_gives_the_models_logits_at_any_batch_size(overrides):
     needs_openvino()
     model = small_model(**overrides)
     fast = optimize(model, "fp32", runtime="openvino")
-    assert isinstance(fast, opt.OpenVINOModel) and fast.config == model.config and "OpenVINO fp32" in repr(fast)
+    assert isinstance(fast, copies.OpenVINOModel) and fast.config == model.config and "OpenVINO fp32" in repr(fast)
     with torch.no_grad():
         for batch in (1, 5):
             x = torch.randn(batch, 3, 32, 32)
@@ -338,7 +338,7 @@ def test_openvino_copy_compiles_attention_as_openvino_does_the_exported_graph(tm
 
     ours = layers(optimize(model, "fp32", runtime="openvino").single)
     vitkit.export(model, tmp_path / "model.onnx")
-    exported = opt.openvino_core().compile_model(
+    exported = copies.openvino_core().compile_model(
         str(tmp_path / "model.onnx"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
     )
     theirs = layers(exported)
@@ -403,39 +403,39 @@ def test_signals_are_handled_after_openvino_copies_are_freed_in_the_order_they_w
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     out = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_OPENVINO], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.split() == ["KeyboardInterrupt"], (out.returncode, out.stderr[-2000:])
-    assert opt.openvino_core() is opt.openvino_core()
+    assert copies.openvino_core() is copies.openvino_core()
 
 
 def test_auto_runs_openvino_exactly_where_it_pays_and_never_with_torchs_options(monkeypatch):
     needs_openvino()
     model = small_model()
     for pays in (True, False):
-        monkeypatch.setattr(opt, "openvino_pays", lambda precision, device, pays=pays: pays)
-        assert isinstance(optimize(model, "fp32"), opt.OpenVINOModel) == pays
-    monkeypatch.setattr(opt, "openvino_pays", lambda precision, device: True)
+        monkeypatch.setattr(copies, "openvino_pays", lambda precision, device, pays=pays: pays)
+        assert isinstance(optimize(model, "fp32"), copies.OpenVINOModel) == pays
+    monkeypatch.setattr(copies, "openvino_pays", lambda precision, device: True)
     assert isinstance(optimize(model, "fp32", pack=False), vitkit.VisionTransformer)
     assert isinstance(optimize(model, "fp32", runtime="torch"), vitkit.VisionTransformer)
 
 
 def test_openvino_pays_on_x86_cpus_where_it_is_installed_in_native_precisions(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(opt, "openvino_available", lambda: True)
+    monkeypatch.setattr(copies, "openvino_available", lambda: True)
     monkeypatch.setattr(machine, "x86", lambda: True)
     for native in (True, False):
         monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
-        assert opt.openvino_pays("fp32", cpu) and opt.openvino_pays("bf16", cpu) == native
-    assert not opt.openvino_pays("fp32", torch.device("cuda"))
+        assert copies.openvino_pays("fp32", cpu) and copies.openvino_pays("bf16", cpu) == native
+    assert not copies.openvino_pays("fp32", torch.device("cuda"))
     monkeypatch.setattr(machine, "x86", lambda: False)
-    assert not opt.openvino_pays("fp32", cpu)
+    assert not copies.openvino_pays("fp32", cpu)
     monkeypatch.setattr(machine, "x86", lambda: True)
-    monkeypatch.setattr(opt, "openvino_available", lambda: False)
-    assert not opt.openvino_pays("fp32", cpu)
+    monkeypatch.setattr(copies, "openvino_available", lambda: False)
+    assert not copies.openvino_pays("fp32", cpu)
 
 
 def test_auto_falls_back_to_vitkits_kernels_with_a_warning_when_openvino_fails(monkeypatch):
     needs_openvino()
-    monkeypatch.setattr(opt, "openvino_pays", lambda precision, device: True)
-    monkeypatch.setattr(opt, "OPENVINO_TOLERANCE", {"fp32": -1.0, "bf16": -1.0})  # no logits can pass
+    monkeypatch.setattr(copies, "openvino_pays", lambda precision, device: True)
+    monkeypatch.setattr(copies, "OPENVINO_TOLERANCE", {"fp32": -1.0, "bf16": -1.0})  # no logits can pass
     with pytest.warns(UserWarning, match="logits differ from the model's .* vitkit's own kernels run it instead"):
         fast = optimize(small_model(), "fp32")
     assert isinstance(fast, vitkit.VisionTransformer)
@@ -451,7 +451,7 @@ def test_openvino_refusals_name_the_fix(monkeypatch):
         optimize(model, "int8", runtime="onnx", calibration=torch.randn(2, 3, 32, 32))
     with pytest.raises(ValueError, match="those are torch's"):
         optimize(model, "fp32", runtime="openvino", pack=True)
-    monkeypatch.setattr(opt, "openvino_available", lambda: False)
+    monkeypatch.setattr(copies, "openvino_available", lambda: False)
     with pytest.raises(ValueError, match="pip install openvino"):
         optimize(model, "fp32", runtime="openvino")
     with pytest.raises(ValueError, match="needs OpenVINO and NNCF: pip install openvino nncf"):
@@ -500,7 +500,7 @@ def test_auto_never_chooses_int8_even_where_int8_is_fast(monkeypatch):
         monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
         assert machine.resolve_precision("auto") == ("bf16" if native else "fp32")
     fast = optimize(small_model())
-    assert not isinstance(fast, opt.Int8Model) and all(p.is_floating_point() for p in fast.parameters())
+    assert not isinstance(fast, copies.Int8Model) and all(p.is_floating_point() for p in fast.parameters())
 
 
 @pytest.mark.parametrize(
@@ -600,7 +600,7 @@ def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
         quantized = optimize(model, "int8", calibration=train_images[:256])
-    assert isinstance(quantized, opt.OpenVINOModel) and "OpenVINO int8" in repr(quantized)
+    assert isinstance(quantized, copies.OpenVINOModel) and "OpenVINO int8" in repr(quantized)
     assert quantized.config == model.config and capsys.readouterr().out == ""
     with torch.no_grad():
         fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()
@@ -640,17 +640,17 @@ def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_wher
     import nncf
 
     model, images = small_model(), torch.randn(4, 3, 32, 32)
-    monkeypatch.setattr(opt, "nncf_available", lambda: False)
+    monkeypatch.setattr(copies, "nncf_available", lambda: False)
     with pytest.raises(ValueError, match="needs OpenVINO and NNCF: pip install openvino nncf"):
         optimize(model, "int8", calibration=images, runtime="openvino")
-    assert isinstance(optimize(model, "int8", calibration=images), opt.Int8Model)
+    assert isinstance(optimize(model, "int8", calibration=images), copies.Int8Model)
     monkeypatch.undo()
     monkeypatch.setattr(nncf, "quantize", lambda graph, *args, **kwargs: graph)  # quantizes nothing
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + 1  # and the patch embedding's
     with pytest.raises(ValueError, match=f"NNCF quantized 0 of the compiled graph's {linears} linear layers"):
         optimize(model, "int8", calibration=images, runtime="openvino")
     with pytest.warns(UserWarning, match="PT2E quantizes it instead"):
-        assert isinstance(optimize(model, "int8", calibration=images), opt.Int8Model)
+        assert isinstance(optimize(model, "int8", calibration=images), copies.Int8Model)
 
 
 @pytest.mark.slow
@@ -667,7 +667,7 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
         quantized = optimize(model, "int8", calibration=train_images[:256], runtime="torch")
-    assert isinstance(quantized, opt.Int8Model) and quantized.config == model.config
+    assert isinstance(quantized, copies.Int8Model) and quantized.config == model.config
     with torch.no_grad():
         fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()
         logits = quantized(test_images)

@@ -16,8 +16,9 @@ from typing import Any
 from . import __version__, commands, formats
 from .benchmark import BENCH_PRECISIONS
 from .benchmark import MODES as BENCH_MODES
+from .copies import CALIBRATION_IMAGES
 from .errors import NonFiniteError, WorkerError, from_command
-from .inference import CALIBRATION_IMAGES, OPTIMIZE_PRECISIONS, OPTIMIZE_RUNTIMES
+from .inference import OPTIMIZE_PRECISIONS, OPTIMIZE_RUNTIMES
 from .machine import retain_freed_memory
 from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, field_help, field_types
 

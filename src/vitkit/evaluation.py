@@ -17,11 +17,11 @@ from tqdm import tqdm
 
 from .architectures import Model
 from .augment import eval_batch
+from .copies import CALIBRATION_IMAGES
 from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset, in_class_order
 from .distributed import World, all_reduce_sum, is_sharded
 from .errors import ImageError, reporting_dead_workers
 from .images import SkipLog, image_paths, read_image
-from .inference import CALIBRATION_IMAGES
 
 
 @dataclass(frozen=True)

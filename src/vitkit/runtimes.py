@@ -16,7 +16,8 @@ from torch import nn
 
 from .benchmark import BENCH_PRECISIONS, interleaved, ratios_to_fastest, record_header
 from .config import ViTConfig, decode_variant
-from .inference import openvino_core, optimize
+from .copies import openvino_core
+from .inference import optimize
 from .model import VisionTransformer
 
 RUNTIMES = ("onnxruntime", "openvino")

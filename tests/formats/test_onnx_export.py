@@ -11,8 +11,8 @@ import torch
 import vitkit
 from helpers import perturbed, tiny
 from vitkit.cli import main
+from vitkit.copies import openvino_core
 from vitkit.formats import onnx as onnx_format
-from vitkit.inference import openvino_core
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs the optional dependency onnx (dev extra)")
 pytest.importorskip("onnxscript", reason="ONNX export needs the optional dependency onnxscript (dev extra)")
