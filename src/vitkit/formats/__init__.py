@@ -5,7 +5,8 @@ from their kind, name and headers; `load(path, image_size=None, **overrides) -> 
 `export(model, path)`. They are vitkit's own safetensors files (`vitkit`), official and big_vision `.npz`
 (`npz`), Hugging Face directories (`hf`), timm state dicts (`timm`), ONNX graphs (`onnx`: vitkit writes them for
 ONNX runtimes and reads back its own, and the backbone of other ViT graphs), and one load-only format: Hugging
-Face Dinov2Model directories (`dinov2`). `vitkit.checkpoints` is the facade.
+Face Dinov2Model directories (`dinov2`). `onnx_graph` is not a format: it reads the tensors of an ONNX file and
+follows a foreign ViT graph for `onnx`. `vitkit.checkpoints` is the facade.
 """
 
 from __future__ import annotations
