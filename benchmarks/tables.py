@@ -322,6 +322,28 @@ def deploy(records: list[dict]) -> str:
     return markdown(["machine", "model", "batch", *copies], rows, right=len(copies))
 
 
+def deploy_int8(records: list[dict]) -> str:
+    """benchmarks/deploy.py, the records with ONNX Runtime's own int8: each int8 copy's images/s and the largest
+    difference of its logits from fp32's (relative to their largest magnitude), and vitkit's int8 copy over ONNX
+    Runtime's (the median of the rounds' ratios)."""
+    deploys = [r for r in records if r.get("benchmark") == "deploy"]
+    with_theirs = [r for r in deploys if any(c["copy"] == "onnxruntime int8" for c in r["cells"])]
+    latest = latest_per_machine(with_theirs, "deploy")
+    copies = ["vitkit int8", "vitkit torch int8", "onnxruntime int8"]
+    rows = []
+    for name in machines_in(list(latest.values())):
+        record = latest[name]
+        for batch in sorted({c["batch"] for c in record["cells"]}):
+            cells = {c["copy"]: c for c in record["cells"] if c["batch"] == batch and c["copy"] in copies}
+            shown = [f"{cells[c]['images_per_s']:.1f} ({cells[c]['max_error_relative']:.3f})" if c in cells else ""
+                     for c in copies]  # fmt: skip
+            ours, theirs = cells.get("vitkit int8"), cells["onnxruntime int8"]
+            ratio = statistics.median(a / b for a, b in zip(ours["rounds"], theirs["rounds"])) if ours else None
+            rows.append([name, record["model"], str(batch), *shown, f"{ratio:.2f}x" if ratio else "-"])
+    head = ["machine", "model", "batch", *(f"{c} img/s (logit error)" for c in copies), "vitkit / onnxruntime int8"]
+    return markdown(head, rows, right=len(copies) + 1)
+
+
 RUNTIME_PEERS = ("ONNX Runtime", "OpenVINO")
 
 
@@ -470,6 +492,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "own-images-batch": own_images_batch,
     "own-images-animal-mnist": own_images("animal-mnist"),
     "deploy": deploy,
+    "deploy-int8": deploy_int8,
     "runtimes": runtimes,
     "openvino-graphs": openvino_graphs,
     "inference": inference,

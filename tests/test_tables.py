@@ -68,3 +68,25 @@ def test_a_gpu_machines_records_are_named_by_its_gpu_or_as_its_host_and_unquanti
     assert "| H200 | ViT-B/16 | 224 | 256 | bf16, compiled | 4,000 | 3,200 | 1.25x | 40.0% | 36.0% |" in text
     deploy_row = next(line for line in text.splitlines() if line.startswith("| Emerald Rapids (H200 host) |"))
     assert deploy_row.endswith("| 50.0 (1.00x) |  | 50.0 | not quantized |  |") and "20.0" not in deploy_row
+
+
+def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_it(tmp_path):
+    """Each int8 copy's speed and logit error, and vitkit's over ONNX Runtime's as the median of the rounds' ratios
+    (not the ratio of the medians); a later record without ONNX Runtime's int8 does not hide the one with it."""
+    import json
+
+    machine = {"cpu": "AMD EPYC (family 25, model 17)", "family": 25, "model": 17, "flags": ["avx512_bf16"]}
+    rounds = {"vitkit int8": [60.0, 30.0, 50.0], "onnxruntime int8": [30.0, 30.0, 10.0]}  # ratios 2, 1, 5
+    cells = [{"batch": 8, "copy": name, "images_per_s": sorted(r)[1], "rounds": r, "max_error_relative": 0.04}
+             for name, r in rounds.items()]  # fmt: skip
+    older = {"benchmark": "deploy", "machine": machine, "date": "2026-01-01T00:00Z", "model": "ViT-S/16"}
+    older["cells"] = cells
+    newer = {**older, "date": "2026-02-01T00:00Z", "cells": cells[:1]}
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, record in {"older": older, "newer": newer}.items():
+        (results / f"{name}.json").write_text(json.dumps(record))
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- tables.py: deploy-int8 -->\n<!-- /tables.py -->\n")
+    assert run_tables("--results", str(results), str(doc)).returncode == 0
+    assert "| Zen 4 | ViT-S/16 | 8 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in doc.read_text()
