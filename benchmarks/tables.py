@@ -284,62 +284,68 @@ def scaling(records: list[dict]) -> str:
     return markdown(head, rows, right=6)
 
 
+def latest_deploy_cells(records: list[dict], with_copy: str | None = None) -> list[tuple[str, str, int, list[dict]]]:
+    """(machine, model, batch, the cells of that batch) from the latest deploy record of each (only records whose batch
+    ran `with_copy`, where given), the machine of the newest record first, then by model and batch."""
+    latest: dict[tuple[str, str, int], tuple[dict, list[dict]]] = {}
+    for record in sorted((r for r in records if r.get("benchmark") == "deploy"), key=lambda r: r.get("date") or ""):
+        for batch in {c["batch"] for c in record["cells"]}:
+            cells = [c for c in record["cells"] if c["batch"] == batch]
+            if with_copy is None or any(c["copy"] == with_copy for c in cells):
+                latest[(label(record["machine"]), record["model"], batch)] = (record, cells)
+    order = machines_in([record for record, _ in latest.values()])
+    keys = sorted(latest, key=lambda key: (order.index(key[0]), key[1], key[2]))
+    return [(*key, latest[key][1]) for key in keys]
+
+
 def deploy(records: list[dict]) -> str:
     """benchmarks/deploy.py: vitkit.optimize in fp32, bf16 and int8 beside ONNX Runtime and OpenVINO, images/s with
     the ratio to the fastest runtime of the same precision (vitkit) or int8 (either copy) over vitkit's bf16 copy."""
-    latest = latest_per_machine(records, "deploy")
     copies = ["vitkit fp32", "vitkit torch fp32", "onnxruntime fp32", "openvino fp32", "vitkit bf16",
               "vitkit torch bf16", "openvino bf16", "vitkit int8", "vitkit torch int8"]  # fmt: skip
     rows = []
-    for name in machines_in(list(latest.values())):
-        record = latest[name]
-        for batch in sorted({c["batch"] for c in record["cells"]}):
-            rates = {c["copy"]: c["rounds"] for c in record["cells"] if c["batch"] == batch}
-            medians = {k: statistics.median(v) for k, v in rates.items()}
+    for name, model, batch, batch_cells in latest_deploy_cells(records):
+        rates = {c["copy"]: c["rounds"] for c in batch_cells}
+        medians = {k: statistics.median(v) for k, v in rates.items()}
 
-            def over(ours: str, theirs: list[str], rates=rates, medians=medians) -> str:
-                present = [t for t in theirs if t in medians]
-                if ours not in medians or not present:
-                    return ""
-                best = max(present, key=medians.__getitem__)
-                ratio = statistics.median(a / b for a, b in zip(rates[ours], rates[best]))
-                return f" ({ratio:.2f}x)"
+        def over(ours: str, theirs: list[str], rates=rates, medians=medians) -> str:
+            present = [t for t in theirs if t in medians]
+            if ours not in medians or not present:
+                return ""
+            best = max(present, key=medians.__getitem__)
+            ratio = statistics.median(a / b for a, b in zip(rates[ours], rates[best]))
+            return f" ({ratio:.2f}x)"
 
-            fp32, bf16 = ["onnxruntime fp32", "openvino fp32"], ["onnxruntime fp32", "openvino fp32", "openvino bf16"]
-            notes = {
-                "vitkit fp32": over("vitkit fp32", fp32),
-                "vitkit torch fp32": over("vitkit torch fp32", fp32),
-                "vitkit bf16": over("vitkit bf16", bf16),
-                "vitkit torch bf16": over("vitkit torch bf16", bf16),
-                "vitkit int8": over("vitkit int8", ["vitkit bf16"]),
-                "vitkit torch int8": over("vitkit torch int8", ["vitkit bf16"]),
-            }
-            cells = [f"{medians[c]:.1f}{notes.get(c, '')}" if c in medians else "" for c in copies]
-            errors = {c["copy"]: c["max_error_relative"] for c in record["cells"] if c["batch"] == batch}
-            if errors.get("vitkit int8", 1.0) < 1e-4:  # logits of fp32 arithmetic: the quantizer quantized nothing
-                cells[copies.index("vitkit int8")] = "not quantized"
-            rows.append([name, record["model"], str(batch), *cells])
+        fp32, bf16 = ["onnxruntime fp32", "openvino fp32"], ["onnxruntime fp32", "openvino fp32", "openvino bf16"]
+        notes = {
+            "vitkit fp32": over("vitkit fp32", fp32),
+            "vitkit torch fp32": over("vitkit torch fp32", fp32),
+            "vitkit bf16": over("vitkit bf16", bf16),
+            "vitkit torch bf16": over("vitkit torch bf16", bf16),
+            "vitkit int8": over("vitkit int8", ["vitkit bf16"]),
+            "vitkit torch int8": over("vitkit torch int8", ["vitkit bf16"]),
+        }
+        cells = [f"{medians[c]:.1f}{notes.get(c, '')}" if c in medians else "" for c in copies]
+        errors = {c["copy"]: c["max_error_relative"] for c in batch_cells}
+        if errors.get("vitkit int8", 1.0) < 1e-4:  # logits of fp32 arithmetic: the quantizer quantized nothing
+            cells[copies.index("vitkit int8")] = "not quantized"
+        rows.append([name, model, str(batch), *cells])
     return markdown(["machine", "model", "batch", *copies], rows, right=len(copies))
 
 
 def deploy_int8(records: list[dict]) -> str:
-    """benchmarks/deploy.py, the records with ONNX Runtime's own int8: each int8 copy's images/s and the largest
+    """benchmarks/deploy.py, where it ran ONNX Runtime's own int8: each int8 copy's images/s and the largest
     difference of its logits from fp32's (relative to their largest magnitude), and vitkit's int8 copy over ONNX
     Runtime's (the median of the rounds' ratios)."""
-    deploys = [r for r in records if r.get("benchmark") == "deploy"]
-    with_theirs = [r for r in deploys if any(c["copy"] == "onnxruntime int8" for c in r["cells"])]
-    latest = latest_per_machine(with_theirs, "deploy")
     copies = ["vitkit int8", "vitkit torch int8", "onnxruntime int8"]
     rows = []
-    for name in machines_in(list(latest.values())):
-        record = latest[name]
-        for batch in sorted({c["batch"] for c in record["cells"]}):
-            cells = {c["copy"]: c for c in record["cells"] if c["batch"] == batch and c["copy"] in copies}
-            shown = [f"{cells[c]['images_per_s']:.1f} ({cells[c]['max_error_relative']:.3f})" if c in cells else ""
-                     for c in copies]  # fmt: skip
-            ours, theirs = cells.get("vitkit int8"), cells["onnxruntime int8"]
-            ratio = statistics.median(a / b for a, b in zip(ours["rounds"], theirs["rounds"])) if ours else None
-            rows.append([name, record["model"], str(batch), *shown, f"{ratio:.2f}x" if ratio else "-"])
+    for name, model, batch, batch_cells in latest_deploy_cells(records, with_copy="onnxruntime int8"):
+        cells = {c["copy"]: c for c in batch_cells if c["copy"] in copies}
+        shown = [f"{cells[c]['images_per_s']:.1f} ({cells[c]['max_error_relative']:.3f})" if c in cells else ""
+                 for c in copies]  # fmt: skip
+        ours, theirs = cells.get("vitkit int8"), cells["onnxruntime int8"]
+        ratio = statistics.median(a / b for a, b in zip(ours["rounds"], theirs["rounds"])) if ours else None
+        rows.append([name, model, str(batch), *shown, f"{ratio:.2f}x" if ratio else "-"])
     head = ["machine", "model", "batch", *(f"{c} img/s (logit error)" for c in copies), "vitkit / onnxruntime int8"]
     return markdown(head, rows, right=len(copies) + 1)
 

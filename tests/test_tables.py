@@ -70,9 +70,10 @@ def test_a_gpu_machines_records_are_named_by_its_gpu_or_as_its_host_and_unquanti
     assert deploy_row.endswith("| 50.0 (1.00x) |  | 50.0 | not quantized |  |") and "20.0" not in deploy_row
 
 
-def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_it(tmp_path):
+def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_each_batch(tmp_path):
     """Each int8 copy's speed and logit error, and vitkit's over ONNX Runtime's as the median of the rounds' ratios
-    (not the ratio of the medians); a later record without ONNX Runtime's int8 does not hide the one with it."""
+    (not the ratio of the medians); a later record without ONNX Runtime's int8 does not hide the one with it, nor
+    one of another batch size."""
     import json
 
     machine = {"cpu": "AMD EPYC (family 25, model 17)", "family": 25, "model": 17, "flags": ["avx512_bf16"]}
@@ -82,11 +83,14 @@ def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_it
     older = {"benchmark": "deploy", "machine": machine, "date": "2026-01-01T00:00Z", "model": "ViT-S/16"}
     older["cells"] = cells
     newer = {**older, "date": "2026-02-01T00:00Z", "cells": cells[:1]}
+    other_batch = {**older, "date": "2026-03-01T00:00Z", "cells": [{**c, "batch": 64} for c in cells]}
     results = tmp_path / "results"
     results.mkdir()
-    for name, record in {"older": older, "newer": newer}.items():
+    for name, record in {"older": older, "newer": newer, "other_batch": other_batch}.items():
         (results / f"{name}.json").write_text(json.dumps(record))
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- tables.py: deploy-int8 -->\n<!-- /tables.py -->\n")
     assert run_tables("--results", str(results), str(doc)).returncode == 0
-    assert "| Zen 4 | ViT-S/16 | 8 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in doc.read_text()
+    text = doc.read_text()
+    assert "| Zen 4 | ViT-S/16 | 8 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in text
+    assert "| Zen 4 | ViT-S/16 | 64 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in text
