@@ -164,6 +164,16 @@ def test_predict_with_a_backbone_says_it_has_no_classes_to_predict(tmp_path, cap
     assert "no classification head (num_classes=0)" in err and "vitkit finetune" in err and "Traceback" not in err
 
 
+def test_predict_runs_the_model_without_autograd(tmp_path):
+    from vitkit.evaluation import predict
+
+    model = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=1, num_classes=3)
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append(__import__("torch").is_grad_enabled()))
+    image = save_png(tmp_path / "a.png", __import__("numpy").zeros((16, 16, 3), "uint8"))
+    assert len(predict(model, [image, image])[0]) == 3 and seen == [False, False]
+
+
 def test_eval_batch_size_zero_is_a_clear_error(gray_model, capsys):
     assert main(["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "0"]) == 2
     err = capsys.readouterr().err

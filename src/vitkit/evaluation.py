@@ -250,7 +250,6 @@ def input_notes(model: Model, image: torch.Tensor) -> list[str]:
     return notes
 
 
-@torch.no_grad()
 def check_has_classes(model: Model) -> None:
     """Refuse (ValueError) a model without a classification head: it gives features, not classes to predict."""
     if model.config.num_classes == 0:
@@ -260,6 +259,7 @@ def check_has_classes(model: Model) -> None:
         )
 
 
+@torch.no_grad()
 def predict(
     model: Model,
     paths: Sequence[str | os.PathLike],
