@@ -417,6 +417,34 @@ def test_auto_runs_openvino_exactly_where_it_pays_and_never_with_torchs_options(
     assert isinstance(optimize(model, "fp32", runtime="torch"), vitkit.VisionTransformer)
 
 
+def test_single_images_run_with_vitkits_kernels_only_in_bf16_on_wide_models_without_amx(monkeypatch):
+    wide, narrow = vitkit.ViTConfig(hidden_size=768), vitkit.ViTConfig(hidden_size=384)
+    for native, amx, expected in [(True, False, True), (True, True, False), (False, False, False)]:
+        monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
+        monkeypatch.setattr(machine, "amx", lambda amx=amx: amx)
+        assert opt.torch_pays_for_single_images(wide, "bf16") == expected
+        assert not opt.torch_pays_for_single_images(narrow, "bf16")
+        assert not opt.torch_pays_for_single_images(wide, "fp32")
+
+
+def test_where_vitkits_kernels_pay_for_single_images_auto_hands_them_only_single_images(monkeypatch):
+    """"auto" gives the OpenVINO copy vitkit's own copy for single images where the rule says so; batches still run
+    in OpenVINO, both with the model's logits; runtime="openvino" asked by name keeps OpenVINO for everything."""
+    needs_openvino()
+    model = small_model()
+    monkeypatch.setattr(opt, "torch_pays_for_single_images", lambda config, precision: True)
+    fast = optimize(model, "fp32")
+    assert isinstance(fast, copies.OpenVINOModel) and isinstance(fast.single_images, vitkit.VisionTransformer)
+    assert "single images with vitkit's kernels" in repr(fast)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        want = model(x)
+        assert torch.equal(fast(x[:1]), fast.single_images(x[:1]))
+        for got in (fast(x[:1]), fast(x)):
+            assert (got - want[: len(got)]).abs().max() <= 1e-5 * want.abs().max()
+    assert optimize(model, "fp32", runtime="openvino").single_images is None
+
+
 def test_openvino_pays_on_x86_cpus_where_it_is_installed_in_native_precisions(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(copies, "openvino_available", lambda: True)

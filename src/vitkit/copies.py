@@ -115,7 +115,8 @@ class OpenVINOModel(InferenceCopy):
     fixed at one image for a plain ViT); for a batch, with the threads shared out among OpenVINO's throughput
     streams (`streams`), each of which runs one part of the batch at the same time (less waiting between threads
     than all of them on every product: faster from 2 images on; figures in docs/PERFORMANCE.md). One call at a
-    time."""
+    time. `single_images`, where `optimize` sets it, is a copy with vitkit's own kernels that runs single images
+    instead (where those ran faster: `inference.torch_pays_for_single_images`)."""
 
     runtime = "openvino"
     what = "the OpenVINO copy"
@@ -127,10 +128,13 @@ class OpenVINOModel(InferenceCopy):
         self.streams = int(batched.get_property("NUM_STREAMS"))
         self.requests = [batched.create_infer_request() for _ in range(self.streams)]
         self.precision = precision
+        self.single_images: nn.Module | None = None
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise ValueError(f"the OpenVINO copy runs on the CPU; the images are on {x.device}: pass them with .cpu().")
+        if len(x) == 1 and self.single_images is not None:
+            return self.single_images(x).float()
         array = x.detach().to(torch.float32).contiguous().numpy()
         if len(array) == 1:  # the single-image copy, whose shape may be fixed at one image
             return torch.from_numpy(self.request.infer([array], share_inputs=True)[0])  # a fresh array
@@ -144,7 +148,8 @@ class OpenVINOModel(InferenceCopy):
 
     def extra_repr(self) -> str:
         threads = self.single.get_property("INFERENCE_NUM_THREADS")
-        return f"OpenVINO {self.precision} on the CPU, {threads} threads, batches in {self.streams} streams"
+        single = ", single images with vitkit's kernels" if self.single_images is not None else ""
+        return f"OpenVINO {self.precision} on the CPU, {threads} threads, batches in {self.streams} streams{single}"
 
 
 def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:

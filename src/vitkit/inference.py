@@ -127,6 +127,19 @@ def packing_pays(precision: str) -> bool:
     return packing_available(precision) and (precision == "bf16" or machine.avx512())
 
 
+# The width from which vitkit's packed bf16 kernels ran single images faster than OpenVINO on a CPU with native bf16
+# but no AMX (ViT-B/16 and ViT-L/16 did, ViT-Ti/16 and ViT-S/16 did not; docs/PERFORMANCE.md).
+SINGLE_IMAGES_TORCH_MIN_WIDTH = 768
+
+
+def torch_pays_for_single_images(config: typing.Any, precision: str) -> bool:
+    """Whether `optimize`'s OpenVINO copy runs single images with vitkit's own kernels instead: bf16 on a CPU with
+    native bf16 but no AMX (AVX-512 BF16), for models `SINGLE_IMAGES_TORCH_MIN_WIDTH` wide or wider. With AMX,
+    OpenVINO ran ViT-S/16's single images faster and wider models are not measured, so OpenVINO keeps them."""
+    wide = getattr(config, "hidden_size", 0) >= SINGLE_IMAGES_TORCH_MIN_WIDTH
+    return precision == "bf16" and machine.bf16_is_native("cpu") and not machine.amx() and wide
+
+
 def optimize(
     model: VisionTransformer,
     precision: str = "auto",
@@ -186,6 +199,9 @@ def optimize(
     torch_asked = pack is not None or compile  # options of vitkit's own kernels
     if runtime == "openvino" or (runtime == "auto" and not torch_asked and copies.openvino_pays(precision, device)):
         in_openvino = _in_openvino(model, precision, device, runtime == "openvino", pack, compile)
+        if runtime == "auto" and isinstance(in_openvino, copies.OpenVINOModel):
+            if torch_pays_for_single_images(in_openvino.config, precision):
+                in_openvino.single_images = optimize(model, precision, runtime="torch")
         return typing.cast(VisionTransformer, in_openvino)
     if precision == "bf16" and not machine.bf16_is_native(device):
         warnings.warn(
