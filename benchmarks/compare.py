@@ -156,7 +156,9 @@ def contenders(
         runs |= {RUNTIMES[n]: (lambda run=run: run(array)) for n, run in runners.items()}
         for note in notes:
             print(f"  {note}", file=sys.stderr)
-    return runs, getattr(fast, "runtime", "torch")  # the copy that ran: "auto" falls back to torch on failure
+    single_in_torch = len(x) == 1 and getattr(fast, "single_images", None) is not None  # see optimize's rule
+    # The copy that ran: "auto" falls back to torch on failure, and may run single images with vitkit's kernels.
+    return runs, "torch" if single_in_torch else getattr(fast, "runtime", "torch")
 
 
 def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str, list[float]]:

@@ -428,8 +428,8 @@ def test_single_images_run_with_vitkits_kernels_only_in_bf16_on_wide_models_with
 
 
 def test_where_vitkits_kernels_pay_for_single_images_auto_hands_them_only_single_images(monkeypatch):
-    """"auto" gives the OpenVINO copy vitkit's own copy for single images where the rule says so; batches still run
-    in OpenVINO, both with the model's logits; runtime="openvino" asked by name keeps OpenVINO for everything."""
+    """With runtime "auto", the OpenVINO copy gets vitkit's own copy for single images where the rule says so;
+    batches still run in OpenVINO, both with the model's logits; runtime="openvino" keeps OpenVINO for everything."""
     needs_openvino()
     model = small_model()
     monkeypatch.setattr(opt, "torch_pays_for_single_images", lambda config, precision: True)
