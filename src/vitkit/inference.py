@@ -12,7 +12,8 @@ What it does (each step kept where it paid; figures in docs/PERFORMANCE.md):
   too), packed for the number of rows up to `PACKED_MAX_ROWS` too, and above it with the packing for 1 row;
 - `compile=True`: `torch.compile` with freezing instead of the packing (minutes to compile on a small CPU);
 - OpenVINO (`runtime="openvino"`, and by default where `copies.openvino_pays`): the model converted and compiled by
-  OpenVINO, behind the same interface (`copies.OpenVINOModel`);
+  OpenVINO, behind the same interface (`copies.OpenVINOModel`); by default its single images run with vitkit's own
+  kernels where `torch_pays_for_single_images`;
 - int8 (asked for by name only, since it changes the results): NNCF's quantization run by OpenVINO where OpenVINO
   runs the model and NNCF is installed, else PyTorch's PT2E quantization compiled by inductor (`copies`).
 
@@ -163,8 +164,9 @@ def optimize(
     `compile`: torch.compile the result (slow to start; for long runs).
     `runtime`: "torch" (vitkit's own kernels, as above; int8: PT2E), "openvino" (a `copies.OpenVINOModel`: the
     model converted and compiled by OpenVINO, CPU only; int8: quantized by NNCF) or "auto": OpenVINO where
-    `copies.openvino_pays` (int8: and NNCF is installed), unless `pack` or `compile` is given; if the conversion
-    fails or its logits differ, with a warning, vitkit's own kernels.
+    `copies.openvino_pays` (int8: and NNCF is installed), unless `pack` or `compile` is given, with single images
+    run by vitkit's own kernels where `torch_pays_for_single_images`; if the conversion fails or its logits differ,
+    with a warning, vitkit's own kernels.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() takes a model (nn.Module), got {type(model).__name__}.")

@@ -134,7 +134,8 @@ def compare_runtimes(
                 copies = {"vitkit.optimize": fast}
                 if not isinstance(fast, VisionTransformer):  # a runtime's copy: vitkit's own kernels beside it
                     copies["vitkit torch"] = optimize(net, precision, runtime="torch")
-                    single = " (single images: vitkit's own kernels)" if getattr(fast, "single_images", None) else ""
+                    in_torch = getattr(fast, "single_images", None) is not None
+                    single = " (single images: vitkit's own kernels)" if in_torch else ""
                     result["notes"].append(
                         f"{precision}: vitkit.optimize runs the model in {fast.runtime}{single} here (runtime='auto'); "
                         "'vitkit torch' is its copy with vitkit's own kernels (runtime='torch')"
