@@ -428,7 +428,9 @@ def signalled_train(tmp_path, phase: str, signals: list, compile=False, steps=20
     argv = [sys.executable, "-c", SIGNALLED_TRAIN, *train_args(tmp_path, compile, steps), "--workers", str(workers)]
     err_path = tmp_path / f"stderr-{phase.replace(' ', '')}-{len(signals)}.txt"
     with open(err_path, "w") as err:
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=subprocess_env(),
+        # A cache of its own: compiled from a warm cache, the first step can be over before the signals arrive.
+        env = {**subprocess_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                  start_new_session=True)  # fmt: skip
         assert child.stdout is not None
         for line in child.stdout:

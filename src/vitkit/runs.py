@@ -22,6 +22,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,9 @@ class StopRequest:
         if os.getpid() != self._pid:  # a forked DataLoader worker: the run's own process decides, and stops it
             return
         if self.requested or not self.stepping:
+            # Interrupted while torch.compile traces the backward pass (the first step), the autograd engine warns
+            # with the traced forward's stack ("Error detected in ...Backward"): the tracer's bookkeeping, not news.
+            warnings.filterwarnings("ignore", message="Error detected in ")
             raise KeyboardInterrupt
         self.requested = True
         again = "press Ctrl-C again" if signum == signal.SIGINT else "signal again"
