@@ -549,6 +549,13 @@ def test_a_ctrl_c_that_an_import_wrapped_on_its_way_up_is_still_one_line(monkeyp
     assert main(["models"]) == 130
     assert capsys.readouterr().err == "vitkit models: stopped (Ctrl-C)\n"
 
+    def interrupted(args):  # a plain Ctrl-C, which carries no message of its own
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "cmd_models", interrupted)
+    assert main(["models"]) == 130
+    assert capsys.readouterr().err == "vitkit models: stopped (Ctrl-C)\n"
+
     def failing(args):
         raise RuntimeError("a failure of its own")
 

@@ -3,6 +3,8 @@ Ctrl-C while they load ends it with one line, as one later does."""
 
 import sys
 
+from .errors import is_ctrl_c  # the standard library only: loads at once
+
 
 def run() -> int:
     try:
@@ -10,8 +12,8 @@ def run() -> int:
 
         return main()
     except (KeyboardInterrupt, RuntimeError) as e:  # before a command began (a command's own are answered in `main`)
-        if isinstance(e, RuntimeError) and not isinstance(e.__cause__, KeyboardInterrupt):
-            raise  # a Ctrl-C arrives wrapped in a RuntimeError where it hit an import in a class body (`cli.main`)
+        if not is_ctrl_c(e):
+            raise
         print("vitkit: stopped (Ctrl-C) while starting; nothing was done", file=sys.stderr)
         return 130
 

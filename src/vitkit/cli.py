@@ -17,7 +17,7 @@ from . import __version__, commands, formats
 from .benchmark import BENCH_PRECISIONS
 from .benchmark import MODES as BENCH_MODES
 from .copies import CALIBRATION_IMAGES
-from .errors import NonFiniteError, WorkerError, from_command
+from .errors import NonFiniteError, WorkerError, from_command, is_ctrl_c
 from .inference import OPTIMIZE_PRECISIONS, OPTIMIZE_RUNTIMES
 from .machine import retain_freed_memory
 from .recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, field_help, field_types
@@ -411,15 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             status = args.func(args)
             sys.stdout.flush()  # a closed pipe shows here, where it is handled, not in the interpreter's exit
             return status
-    except KeyboardInterrupt as e:  # Ctrl-C (a second one, in training): what was left, in one line
-        print(f"vitkit {args.command}: {e or 'stopped (Ctrl-C)'}", file=sys.stderr)
-        return 130
-    except RuntimeError as e:
-        # A Ctrl-C during a module's import inside a class body reaches here wrapped: Python 3.11 re-raises what
-        # `__set_name__` raises (torch imports its compiler lazily, in such a body) as a RuntimeError from it.
-        if not isinstance(e.__cause__, KeyboardInterrupt):
+    except (KeyboardInterrupt, RuntimeError) as e:  # Ctrl-C (a second one, in training: what was left), one line
+        if not is_ctrl_c(e):
             raise
-        print(f"vitkit {args.command}: stopped (Ctrl-C)", file=sys.stderr)
+        said = str(e) if isinstance(e, KeyboardInterrupt) else ""
+        print(f"vitkit {args.command}: {said or 'stopped (Ctrl-C)'}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # stdout closed early (`vitkit predict ... | head`): end quietly, as Python's docs do
         with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor needs nothing

@@ -26,6 +26,14 @@ def from_command(command: str) -> Iterator[None]:
         _COMMAND.reset(token)
 
 
+def is_ctrl_c(e: BaseException) -> bool:
+    """Whether `e` is a Ctrl-C: a KeyboardInterrupt, or one wrapped in a RuntimeError on its way up (Python 3.11
+    re-raises what a class body's `__set_name__` raises as a RuntimeError from it, and torch imports its compiler
+    lazily in such a body)."""
+    wrapped = isinstance(e, RuntimeError) and isinstance(e.__cause__, KeyboardInterrupt)
+    return isinstance(e, KeyboardInterrupt) or wrapped
+
+
 def running_command() -> str | None:
     """The `vitkit` sub-command being run, or None when the library is called from Python."""
     return _COMMAND.get()
