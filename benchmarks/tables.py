@@ -86,6 +86,11 @@ def machines_in(records: list[dict]) -> list[str]:
     return sorted(newest, key=lambda name: newest[name], reverse=True)
 
 
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """One contender over another: the median of their ratios round by round, so the machine's drift cancels."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
 def latest_per_machine(records: list[dict], benchmark: str) -> dict[str, dict]:
     """Machine label -> that machine's latest record of `benchmark` (records without a date count as oldest)."""
     latest: dict[str, dict] = {}
@@ -313,7 +318,7 @@ def deploy(records: list[dict]) -> str:
             if ours not in medians or not present:
                 return ""
             best = max(present, key=medians.__getitem__)
-            ratio = statistics.median(a / b for a, b in zip(rates[ours], rates[best]))
+            ratio = paired_ratio(rates[ours], rates[best])
             return f" ({ratio:.2f}x)"
 
         fp32, bf16 = ["onnxruntime fp32", "openvino fp32"], ["onnxruntime fp32", "openvino fp32", "openvino bf16"]
@@ -344,7 +349,7 @@ def deploy_int8(records: list[dict]) -> str:
         shown = [f"{cells[c]['images_per_s']:.1f} ({cells[c]['max_error_relative']:.3f})" if c in cells else ""
                  for c in copies]  # fmt: skip
         ours, theirs = cells.get("vitkit int8"), cells["onnxruntime int8"]
-        ratio = statistics.median(a / b for a, b in zip(ours["rounds"], theirs["rounds"])) if ours else None
+        ratio = paired_ratio(ours["rounds"], theirs["rounds"]) if ours else None
         rows.append([name, model, str(batch), *shown, f"{ratio:.2f}x" if ratio else "-"])
     head = ["machine", "model", "batch", *(f"{c} img/s (logit error)" for c in copies), "vitkit / onnxruntime int8"]
     return markdown(head, rows, right=len(copies) + 1)
@@ -370,7 +375,7 @@ def runtimes(records: list[dict]) -> str:
             def over(ours: str, rounds=rounds, fastest=fastest) -> str:
                 if ours not in rounds:
                     return ""
-                return f"{statistics.median(a / b for a, b in zip(rounds[ours], rounds[fastest])):.2f}x"
+                return f"{paired_ratio(rounds[ours], rounds[fastest]):.2f}x"
 
             own = "vitkit torch kernels" if "vitkit torch kernels" in rounds else "vitkit optimized"
             cells = [f"{medians[k]:.1f}" if k in medians else "-" for k in ("vitkit optimized", own, *RUNTIME_PEERS)]
