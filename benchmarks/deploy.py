@@ -28,7 +28,7 @@ import torch
 
 import vitkit
 from vitkit.benchmark import interleaved, record_header, write_record
-from vitkit.runtimes import runtime_runners, runtime_versions
+from vitkit.runtimes import onnxruntime_session, runtime_runners, runtime_versions
 
 ONNXRUNTIME_INT8 = {
     "format": "QDQ",
@@ -48,7 +48,6 @@ def onnxruntime_int8(path: Path, calibration: torch.Tensor, threads: int):
     where ONNX Runtime is not installed."""
     try:
         import onnx
-        import onnxruntime
         from onnxruntime import quantization as q
     except ImportError:
         return None
@@ -77,10 +76,7 @@ def onnxruntime_int8(path: Path, calibration: torch.Tensor, threads: int):
         weight_type=q.QuantType.QInt8,
         calibrate_method=q.CalibrationMethod.MinMax,
     )
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as runtime_runners: no spinning
-    session = onnxruntime.InferenceSession(str(quantized), options, providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(quantized, threads)
     return lambda x: session.run(None, {"images": x})[0]
 
 

@@ -36,6 +36,17 @@ def runtime_versions() -> dict[str, str]:
     return versions
 
 
+def onnxruntime_session(path: str | Path, threads: int) -> Any:
+    """An ONNX Runtime CPU session of the graph at `path` on `threads` threads, set up to be timed beside others."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    # Its threads would otherwise spin after each run, taking the cores from the contender timed next.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 def runtime_runners(path: str | Path, precision: str, threads: int) -> tuple[dict[str, Any], list[str]]:
     """name -> a callable mapping images (a float32 numpy array) to logits, for each ONNX runtime that runs the
     graph at `path` in `precision` on this CPU with `threads` threads; and a note for each one left out.
@@ -45,14 +56,10 @@ def runtime_runners(path: str | Path, precision: str, threads: int) -> tuple[dic
     runners: dict[str, Any] = {}
     notes = []
     try:
-        import onnxruntime
+        import onnxruntime  # noqa: F401 - whether it is installed; `onnxruntime_session` uses it
 
         if precision == "fp32":
-            options = onnxruntime.SessionOptions()
-            options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-            # Its threads would otherwise spin after each run, taking the cores from the contender timed next.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            session = onnxruntime_session(path, threads)
             name = session.get_inputs()[0].name
             runners["onnxruntime"] = lambda x: session.run(None, {name: x})[0]
         else:
