@@ -1,7 +1,6 @@
 import collections
 import contextlib
 import copy
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 import vitkit
-from helpers import SRC
+from helpers import subprocess_env
 from vitkit import copies, machine
 from vitkit import inference as opt
 from vitkit.inference import PackedLinear, optimize
@@ -376,6 +375,11 @@ def test_openvino_bf16_copy_is_within_bf16_rounding_of_the_model():
     assert error <= 2 * (autocast - want).abs().max() + 0.01 * want.abs().max()
 
 
+def run_in_a_fresh_process(code: str) -> subprocess.CompletedProcess:
+    """`code` run by a new Python on this worktree's sources, its output captured."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
+
+
 # A child process, since what it checks is the process's: its main thread's alternate signal stack, which OpenVINO's
 # CPU plugin swaps (see `openvino_core`). Two OpenVINO copies are freed in the order they were made, then Python signal
 # handlers run on that thread: a SIGCHLD one, as torch's DataLoader installs, as a child exits; then Ctrl-C's.
@@ -400,8 +404,7 @@ except KeyboardInterrupt:
 @pytest.mark.slow
 def test_signals_are_handled_after_openvino_copies_are_freed_in_the_order_they_were_made():
     needs_openvino()
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    out = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_OPENVINO], capture_output=True, text=True, env=env)
+    out = run_in_a_fresh_process(SIGNALS_AFTER_OPENVINO)
     assert out.returncode == 0 and out.stdout.split() == ["KeyboardInterrupt"], (out.returncode, out.stderr[-2000:])
     assert copies.openvino_core() is copies.openvino_core()
 
@@ -654,8 +657,7 @@ print(type(vitkit.optimize(model, "int8", calibration=torch.randn(4, 3, 32, 32),
 @pytest.mark.slow
 def test_int8_in_openvino_says_nothing_of_cuda_on_a_cpu():
     needs_nncf()
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    out = subprocess.run([sys.executable, "-c", INT8_IN_A_FRESH_PROCESS], capture_output=True, text=True, env=env)
+    out = run_in_a_fresh_process(INT8_IN_A_FRESH_PROCESS)
     assert out.returncode == 0 and out.stdout.split() == ["OpenVINOModel"], (out.returncode, out.stderr[-2000:])
     assert "CUDA" not in out.stderr, out.stderr[-2000:]
 
