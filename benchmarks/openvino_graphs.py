@@ -29,7 +29,7 @@ import vitkit
 import vitkit.model
 from vitkit import kernels, machine
 from vitkit.benchmark import record_header, write_record
-from vitkit.copies import openvino_core
+from vitkit.copies import layer_type, openvino_core
 from vitkit.runtimes import runtime_versions
 
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}
@@ -109,7 +109,7 @@ def main() -> None:
             timed[name] = compiled.create_infer_request()
             profiled[name] = core.compile_model(make(), "CPU", {**settings, "PERF_COUNT": True}).create_infer_request()
             ops = compiled.get_runtime_model().get_ordered_ops()
-            layers[name] = collections.Counter(str(op.get_rt_info()["layerType"].astype(str)) for op in ops)
+            layers[name] = collections.Counter(layer_type(op) for op in ops)
         for request in timed.values():
             for _ in range(3):
                 request.infer([x], share_inputs=True)

@@ -333,7 +333,7 @@ def test_openvino_copy_compiles_attention_as_openvino_does_the_exported_graph(tm
 
     def layers(compiled) -> collections.Counter:
         ops = compiled.get_runtime_model().get_ordered_ops()
-        return collections.Counter(str(op.get_rt_info()["layerType"].astype(str)) for op in ops)
+        return collections.Counter(copies.layer_type(op) for op in ops)
 
     ours = layers(optimize(model, "fp32", runtime="openvino").single)
     vitkit.export(model, tmp_path / "model.onnx")

@@ -365,7 +365,7 @@ def quantize_int8_openvino(
         )
     fast = _compiled_in_openvino(quantized, model, "int8")
     ops = fast.single.get_runtime_model().get_ordered_ops()
-    linears = [op.get_rt_info()["runtimePrecision"].astype(str) for op in ops if _layer_type(op) == "FullyConnected"]
+    linears = [op.get_rt_info()["runtimePrecision"].astype(str) for op in ops if layer_type(op) == "FullyConnected"]
     done = sum(p in ("u8", "i8") for p in linears)
     if done < len(linears):
         raise ValueError(
@@ -375,7 +375,7 @@ def quantize_int8_openvino(
     return fast
 
 
-def _layer_type(op: typing.Any) -> str:
+def layer_type(op: typing.Any) -> str:
     """The kind of a layer of a graph OpenVINO compiled (FullyConnected, Transpose, ...)."""
     return str(op.get_rt_info()["layerType"].astype(str))
 
