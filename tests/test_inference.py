@@ -644,6 +644,38 @@ def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at
     check_copy_like_the_model(quantized, model, tmp_path)
 
 
+def test_int8_in_openvino_quantizes_the_linear_layers_and_leaves_attention_as_it_is(monkeypatch):
+    """NNCF's graph: every linear layer's input comes through a FakeQuantize (the patch embedding's and the head's
+    too); attention's inputs (queries, keys, values) do not, so attention runs in bf16 or fp32, as in the PT2E copy
+    and the ONNX Runtime int8 the benchmark compares with."""
+    needs_nncf()
+    import nncf
+
+    made = []
+    quantize = nncf.quantize
+    monkeypatch.setattr(nncf, "quantize", lambda *args, **kwargs: made.append(quantize(*args, **kwargs)) or made[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
+        optimize(small_model(), "int8", calibration=torch.randn(4, 3, 32, 32), runtime="openvino")
+    ops = made[0].get_ordered_ops()
+
+    def quantized(op) -> list[bool]:
+        """Whether each input of `op` comes from a FakeQuantize, through layers that only move values."""
+        found = []
+        for i in op.inputs():
+            source = i.get_source_output().get_node()
+            while source.get_type_name() in ("Reshape", "Transpose", "Squeeze", "Split", "Gather"):
+                source = source.input(0).get_source_output().get_node()
+            found.append(source.get_type_name() == "FakeQuantize")
+        return found
+
+    linears = [op for op in ops if op.get_type_name() == "MatMul"]  # attention is one op of its own
+    attention = [op for op in ops if op.get_type_name() == "ScaledDotProductAttention"]
+    assert len(attention) == small_model().config.num_layers, [op.get_type_name() for op in ops]
+    assert len(linears) == 4 * len(attention) + 2 and all(quantized(op)[0] for op in linears)
+    assert not any(any(quantized(op)) for op in attention), [quantized(op) for op in attention]
+
+
 # A child process, so that NNCF is imported afresh: importing it imports torch's C++ extension builder, whose
 # "No CUDA runtime is found" note (logged wherever a CUDA toolkit is installed without a GPU) is not for the caller.
 INT8_IN_A_FRESH_PROCESS = """
