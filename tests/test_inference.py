@@ -716,13 +716,15 @@ def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_wher
 
 
 @pytest.mark.slow
-def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_reference(tmp_path):
+def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_reference(tmp_path, monkeypatch):
     """Top-1 on held-out digits within 1 point of fp32 (4 of 397 images); the compiled int8 copy (oneDNN's int8
     linears) gives the logits of the quantized graph it was compiled from, which runs each layer as fp32 arithmetic
     on dequantized int8 values (the independent reference of the kernels), at batch sizes other than the
-    calibration's."""
+    calibration's. The layers between the int8 ones in fp32 (on any CPU), so that the comparison is exact."""
     needs_torchao()
     from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(copies, "int8_mixes_bf16", lambda: False)
 
     model, train_images, _, test_images, test_labels = trained_digits_model()
     counters.clear()
@@ -750,3 +752,29 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
     with pytest.raises(ValueError, match="inference only"):
         quantized.train()
     check_copy_like_the_model(quantized, model, tmp_path)
+
+
+@pytest.mark.slow
+def test_int8_with_the_layers_between_in_bf16_keeps_a_trained_models_accuracy(monkeypatch):
+    """PT2E's copy with attention, LayerNorm and GELU in bf16 (what `int8_mixes_bf16` picks with AMX): top-1 on
+    held-out digits within 1 point of fp32, logits within bf16's and int8's rounding of the all-fp32 int8 copy's
+    and not equal to them (the bf16 layers ran), one image as in a batch."""
+    needs_torchao()
+    model, train_images, _, test_images, test_labels = trained_digits_model()
+    copies_of = {}
+    for mix in (False, True):
+        monkeypatch.setattr(copies, "int8_mixes_bf16", lambda mix=mix: mix)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
+            copies_of[mix] = optimize(model, "int8", calibration=train_images[:256], runtime="torch")
+    mixed = copies_of[True]
+    assert mixed.bf16 and "other layers in bf16" in repr(mixed) and "other layers in fp32" in repr(copies_of[False])
+    with torch.no_grad():
+        fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()
+        logits, fp32_layers = mixed(test_images), copies_of[False](test_images)
+        assert logits.dtype == torch.float32
+        assert fp32_top1 >= 0.8 and (logits.argmax(1) == test_labels).float().mean().item() >= fp32_top1 - 0.01
+        scale = fp32_layers.abs().max()
+        assert 0 < (logits - fp32_layers).abs().max() <= 0.15 * scale
+        assert (logits - fp32_layers).abs().mean() <= 0.02 * scale
+        assert (mixed(test_images[:1]) - logits[:1]).abs().max() <= 0.05 * scale

@@ -238,20 +238,29 @@ def calibration_batches(calibration: torch.Tensor | typing.Iterable | None) -> l
 
 class Int8Model(InferenceCopy):
     """The int8 copy `quantize_int8` makes, with the model's inference interface: images in, logits out (fp32),
-    and the model's `config`, `class_names` and `trained_on`. Inference only: it cannot be trained."""
+    and the model's `config`, `class_names` and `trained_on`. Inference only: it cannot be trained. `bf16`: the
+    layers between the int8 ones (attention, LayerNorm, GELU) run in bf16 under autocast, else in fp32."""
 
     what = "an int8 copy"
 
-    def __init__(self, program: nn.Module, model: VisionTransformer):
+    def __init__(self, program: nn.Module, model: VisionTransformer, bf16: bool = False):
         super().__init__(model)
         self.program = program  # the quantized graph, compiled
+        self.bf16 = bf16
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         # Freezing (weights as constants) is what lets inductor swap in oneDNN's int8 linears; it must be set in the
         # global config when a shape compiles, which `torch.compile(options=...)` does not reach for these passes.
-        with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
+        with (
+            torch._inductor.config.patch(freezing=True),
+            torch.autocast("cpu", torch.bfloat16, enabled=self.bf16),
+            warnings.catch_warnings(),
+        ):
             warnings.filterwarnings("ignore", message="To copy construct from a tensor")  # inductor's, compiling
-            return self.program(x)
+            return self.program(x).float()
+
+    def extra_repr(self) -> str:
+        return f"PT2E int8, the other layers in {'bf16' if self.bf16 else 'fp32'}"
 
 
 def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.Iterable | None) -> Int8Model:
@@ -260,7 +269,8 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
     point), with scales observed
     on `calibration` (a (B, C, H, W) tensor, or an iterable of such batches or of (images, labels) pairs, such as
     a DataLoader; a few hundred typical images), then compiled with freezing, so that each layer runs as
-    oneDNN's int8 linear. Warns where the CPU has no fast int8 path (`machine.int8_fast_path_missing`)."""
+    oneDNN's int8 linear, and the layers between in bf16 where `int8_mixes_bf16`. Warns where the CPU has no fast
+    int8 path (`machine.int8_fast_path_missing`)."""
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(
@@ -298,7 +308,15 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
     _check_all_linears_quantized(quantized, plain)
     pt2e.move_exported_model_to_eval(quantized)
     program = torch.compile(quantized)  # the first call of each shape compiles (twice at most: then dynamic)
-    return Int8Model(typing.cast(nn.Module, program), model)
+    return Int8Model(typing.cast(nn.Module, program), model, bf16=int8_mixes_bf16())
+
+
+def int8_mixes_bf16() -> bool:
+    """Whether PT2E's int8 copy runs the layers between its int8 linears in bf16 (PyTorch's int8-mixed-bf16 recipe
+    for the x86 inductor quantizer): with AMX, whose bf16 attention and element-wise layers leave fp32's far behind
+    (ViT-S/16: the int8 copy at 1.15-1.37x vitkit's bf16 copy with them in bf16, at 0.66-1.15x with them in fp32).
+    Without AMX this is not measured, so they stay in fp32."""
+    return machine.amx()
 
 
 def _check_all_linears_quantized(quantized: torch.fx.GraphModule, plain: nn.Module) -> None:
