@@ -314,8 +314,8 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
 def int8_mixes_bf16() -> bool:
     """Whether PT2E's int8 copy runs the layers between its int8 linears in bf16 (PyTorch's int8-mixed-bf16 recipe
     for the x86 inductor quantizer): with AMX, whose bf16 attention and element-wise layers leave fp32's far behind
-    (ViT-S/16: the int8 copy at 1.15-1.37x vitkit's bf16 copy with them in bf16, at 0.66-1.15x with them in fp32).
-    Without AMX this is not measured, so they stay in fp32."""
+    (with them in fp32 the int8 copy trailed vitkit's bf16 copy from 8 images on, in bf16 it led at every batch size;
+    docs/PERFORMANCE.md). Without AMX this is not measured, so they stay in fp32."""
     return machine.amx()
 
 
@@ -373,9 +373,9 @@ def quantize_int8_openvino(
     # Without SmoothQuant, which moves activation range into the weights: on a trained ViT with a GAP head it took
     # held-out top-1 from 84% to 23% (without it: 84%), and it did not help a class-token model.
     advanced = nncf.AdvancedQuantizationParameters(smooth_quant_alphas=nncf.AdvancedSmoothQuantParameters(matmul=-1))
-    # Attention as the frontend fuses it (one op), not quantized: the transformer preset quantizes its keys, whose
-    # conversions to and from int8 cost more than the int8 products save, and the scope is the linear layers', as in
-    # `quantize_int8` (ViT-S/16 on AMX: int8 at 0.90-0.99x the bf16 copy with it, 1.09-1.21x without it).
+    # Attention as the frontend fuses it (one op), not quantized: the transformer preset quantizes its queries and
+    # keys, whose conversions to and from int8 cost more than the int8 products save (on AMX they took the int8 copy
+    # behind the bf16 one; docs/PERFORMANCE.md), and the scope is the linear layers', as in `quantize_int8`.
     attention = nncf.IgnoredScope(types=["ScaledDotProductAttention"], validate=False)
     # NNCF's progress bars and notes (its logger's INFO lines, written to the stdout it found at import) are its
     # own output, not the caller's.
