@@ -742,16 +742,43 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
         reference = quantized.program._orig_mod
         # The kernels quantize with their own float arithmetic (fused into the layer before), so a value that falls
         # on a rounding boundary may take the neighbouring int8 level: a few rows move by about a quantization step
-        # (at most 2% of the logits' scale); all others agree to float rounding.
+        # (at most 2% of the logits' scale; 1-3% of the rows with oneDNN's AVX2 kernels, 7-bit activations); all
+        # others agree to float rounding.
         for x in (test_images, test_images[:1], test_images[:5]):
             want, got = reference(x), quantized(x)
             scale = want.abs().max()
             assert (got - want).abs().max() <= 0.02 * scale
-            assert ((got - want).abs() <= 1e-4 * scale).float().mean() >= 0.99
+            assert ((got - want).abs() <= 1e-4 * scale).float().mean() >= 0.95
     assert quantized.eval() is quantized and not quantized.training  # as `evaluate` calls it
     with pytest.raises(ValueError, match="inference only"):
         quantized.train()
     check_copy_like_the_model(quantized, model, tmp_path)
+
+
+def test_int8_without_int8_dot_products_quantizes_activations_to_7_bits(monkeypatch):
+    """Where the CPU has no VNNI or AMX, PT2E's copy quantizes activations to 7 bits (0..127), the quantizer's remedy
+    for oneDNN's uint8 x int8 pairs that saturate int16 there (on emulated AVX2 8 bits cost a trained digits model 3
+    points of top-1); with them, 8 bits (0..255). Weights stay 8-bit either way."""
+    needs_torchao()
+
+    def ranges(copy) -> set[tuple[str, int]]:
+        """(operator, quant_max) of each (de)quantize node: per tensor (activations) and per channel (weights)."""
+        found = set()
+        for n in copy.program._orig_mod.graph.nodes:
+            if "quantize_per_" in str(n.target):
+                name = n.target.__name__.split(".")[0]
+                found.add((name, n.args[5] if name.endswith("per_channel") else n.args[4]))
+        return found
+
+    model, images = small_model(), torch.randn(8, 3, 32, 32)
+    monkeypatch.setattr(machine, "int8_fast_path_missing", lambda: None)
+    eight = ranges(optimize(model, "int8", calibration=images, runtime="torch"))
+    monkeypatch.setattr(machine, "int8_fast_path_missing", lambda: "int8 dot-product instructions")
+    with pytest.warns(UserWarning, match="int8 dot-product instructions"):
+        seven = ranges(optimize(model, "int8", calibration=images, runtime="torch"))
+    assert ("quantize_per_tensor", 255) in eight and ("quantize_per_tensor", 127) not in eight, eight
+    assert ("quantize_per_tensor", 127) in seven and ("quantize_per_tensor", 255) not in seven, seven
+    assert ("dequantize_per_channel", 127) in seven and ("dequantize_per_channel", 127) in eight  # int8 weights
 
 
 @pytest.mark.slow

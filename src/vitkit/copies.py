@@ -266,7 +266,7 @@ class Int8Model(InferenceCopy):
 def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.Iterable | None) -> Int8Model:
     """An int8 copy of `model` for CPU inference, by PyTorch's PT2E flow with the x86 inductor quantizer: every
     linear layer's weight int8 per output channel (symmetric), its input 8-bit per tensor (unsigned, with a zero
-    point), with scales observed
+    point; 7-bit on CPUs without int8 dot-product instructions), with scales observed
     on `calibration` (a (B, C, H, W) tensor, or an iterable of such batches or of (images, labels) pairs, such as
     a DataLoader; a few hundred typical images), then compiled with freezing, so that each layer runs as
     oneDNN's int8 linear, and the layers between in bf16 where `int8_mixes_bf16`. Warns where the CPU has no fast
@@ -299,7 +299,10 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
         example = example.expand(2, *example.shape[1:])
     batch = torch.export.Dim("batch", min=1)
     graph = torch.export.export(plain, (example,), dynamic_shapes=({0: batch},)).module()
-    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    # Without VNNI, oneDNN multiplies uint8 by int8 in pairs summed into int16, which saturates on 8-bit inputs: the
+    # quantizer's documented remedy is 7-bit activations (`reduce_range`).
+    config = x86.get_default_x86_inductor_quantization_config(reduce_range=machine.int8_fast_path_missing() is not None)
+    quantizer = x86.X86InductorQuantizer().set_global(config)
     observed = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         for images in batches:
