@@ -755,10 +755,11 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
     check_copy_like_the_model(quantized, model, tmp_path)
 
 
+@pytest.mark.slow
 def test_int8_without_int8_dot_products_quantizes_activations_to_7_bits(monkeypatch):
     """Where the CPU has no VNNI or AMX, PT2E's copy quantizes activations to 7 bits (0..127), the quantizer's remedy
-    for oneDNN's uint8 x int8 pairs that saturate int16 there (on emulated AVX2 8 bits cost a trained digits model 3
-    points of top-1); with them, 8 bits (0..255). Weights stay 8-bit either way."""
+    for oneDNN's uint8 x int8 pairs that saturate int16 there (with oneDNN held to AVX2, 8 bits cost a trained
+    digits model 1-3 points of top-1); with them, 8 bits (0..255). Weights stay 8-bit either way."""
     needs_torchao()
 
     def ranges(copy) -> set[tuple[str, int]]:
