@@ -50,7 +50,7 @@ import torch.utils.mkldnn
 import vitkit
 from vitkit import machine
 from vitkit.benchmark import interleaved, ratios_to_fastest, record_header, write_record
-from vitkit.runtimes import runtime_runners, runtime_versions
+from vitkit.runtimes import own_kernels_copy, runtime_runners, runtime_versions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNTIMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}  # the runtimes' names in the table
@@ -132,7 +132,7 @@ def contenders(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # emulated bf16 is measured all the same; the header says it is
         fast = vitkit.optimize(vit, precision)
-        own = fast if isinstance(fast, vitkit.VisionTransformer) else vitkit.optimize(vit, precision, runtime="torch")
+        own = own_kernels_copy(fast, vit, precision)
     runs = {
         "vitkit": inference_runner(vit, x, bf16),
         "vitkit optimized": inference_runner(fast, x, False),

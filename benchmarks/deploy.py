@@ -28,7 +28,7 @@ import torch
 
 import vitkit
 from vitkit.benchmark import interleaved, record_header, write_record
-from vitkit.runtimes import onnxruntime_session, runtime_runners, runtime_versions
+from vitkit.runtimes import onnxruntime_session, own_kernels_copy, runtime_runners, runtime_versions
 
 ONNXRUNTIME_INT8 = {
     "format": "QDQ",
@@ -110,8 +110,8 @@ def main() -> None:
         for precision in ("fp32", "bf16", "int8"):  # where `optimize` chose OpenVINO, its torch copy beside it
             if getattr(copies.get(f"vitkit {precision}"), "runtime", None) == "openvino":
                 calibration = make_calibration() if precision == "int8" else None
-                copies[f"vitkit torch {precision}"] = vitkit.optimize(
-                    model, precision, runtime="torch", calibration=calibration
+                copies[f"vitkit torch {precision}"] = own_kernels_copy(
+                    copies[f"vitkit {precision}"], model, precision, calibration
                 )
     result = {
         **record_header("deploy"),

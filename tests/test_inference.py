@@ -14,6 +14,7 @@ from helpers import subprocess_env
 from vitkit import copies, machine
 from vitkit import inference as opt
 from vitkit.inference import PackedLinear, optimize
+from vitkit.runtimes import own_kernels_copy
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "mlp_dim": 64, "num_heads": 4, "num_classes": 10, "image_size": 32}
 
@@ -446,6 +447,12 @@ def test_where_vitkits_kernels_pay_for_single_images_auto_hands_them_only_single
         for got in (fast(x[:1]), fast(x)):
             assert (got - want[: len(got)]).abs().max() <= 1e-5 * want.abs().max()
     assert optimize(model, "fp32", runtime="openvino").single_images is None
+    # What the benchmarks time beside such a copy as vitkit's own kernels: the copy it holds, not a second one.
+    assert own_kernels_copy(fast, model, "fp32") is fast.single_images
+    in_openvino = optimize(model, "fp32", runtime="openvino")
+    assert isinstance(own_kernels_copy(in_openvino, model, "fp32"), vitkit.VisionTransformer)
+    in_torch = optimize(model, "fp32", runtime="torch")
+    assert own_kernels_copy(in_torch, model, "fp32") is in_torch
 
 
 def test_openvino_pays_on_x86_cpus_where_it_is_installed_in_native_precisions(monkeypatch):

@@ -47,6 +47,16 @@ def onnxruntime_session(path: str | Path, threads: int) -> Any:
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def own_kernels_copy(fast: nn.Module, model: VisionTransformer, precision: str, calibration: Any = None) -> nn.Module:
+    """The copy of `model` with vitkit's own kernels (`optimize(..., runtime="torch")`) to time beside `fast`, what
+    `optimize(model, precision)` returned: `fast` itself where it is one, the copy an OpenVINO copy already holds for
+    single images (the same call), else a new one."""
+    if isinstance(fast, VisionTransformer):
+        return fast
+    held = getattr(fast, "single_images", None)
+    return held if held is not None else optimize(model, precision, runtime="torch", calibration=calibration)
+
+
 def runtime_runners(path: str | Path, precision: str, threads: int) -> tuple[dict[str, Any], list[str]]:
     """name -> a callable mapping images (a float32 numpy array) to logits, for each ONNX runtime that runs the
     graph at `path` in `precision` on this CPU with `threads` threads; and a note for each one left out.
@@ -140,7 +150,7 @@ def compare_runtimes(
                 fast = optimize(net, precision)
                 copies = {"vitkit.optimize": fast}
                 if not isinstance(fast, VisionTransformer):  # a runtime's copy: vitkit's own kernels beside it
-                    copies["vitkit torch"] = optimize(net, precision, runtime="torch")
+                    copies["vitkit torch"] = own_kernels_copy(fast, net, precision)
                     in_torch = getattr(fast, "single_images", None) is not None
                     single = " (single images: vitkit's own kernels)" if in_torch else ""
                     result["notes"].append(
