@@ -141,7 +141,9 @@ def test_predict_notes_colour_and_far_off_sizes_from_what_the_checkpoint_records
 
 
 def test_predict_top_k_zero_and_an_empty_directory_are_clear_errors(gray_model, tmp_path, capsys):
-    image = save_png(tmp_path / "a.png", __import__("numpy").zeros((16, 16), "uint8"))
+    import numpy as np
+
+    image = save_png(tmp_path / "a.png", np.zeros((16, 16), "uint8"))
     assert main(["predict", "--checkpoint", str(gray_model), "--top-k", "0", str(image)]) == 2
     assert "k=0: ask for at least the top class" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
@@ -152,11 +154,13 @@ def test_predict_top_k_zero_and_an_empty_directory_are_clear_errors(gray_model, 
 def test_predict_with_a_backbone_says_it_has_no_classes_to_predict(tmp_path, capsys):
     """A model without a head (a pre-trained backbone, num_classes=0) gives features: predict says so and what to do
     instead, in the library and the command, rather than failing on a class index."""
+    import numpy as np
+
     from vitkit.evaluation import predict
 
     backbone = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=1, num_classes=0)
     vitkit.export(backbone, tmp_path / "backbone.safetensors")
-    image = save_png(tmp_path / "a.png", __import__("numpy").zeros((16, 16, 3), "uint8"))
+    image = save_png(tmp_path / "a.png", np.zeros((16, 16, 3), "uint8"))
     with pytest.raises(ValueError, match="no classification head"):
         predict(backbone, [image])
     assert main(["predict", "--checkpoint", str(tmp_path / "backbone.safetensors"), str(image)]) == 2
@@ -165,12 +169,15 @@ def test_predict_with_a_backbone_says_it_has_no_classes_to_predict(tmp_path, cap
 
 
 def test_predict_runs_the_model_without_autograd(tmp_path):
+    import numpy as np
+    import torch
+
     from vitkit.evaluation import predict
 
     model = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=1, num_classes=3)
     seen = []
-    model.register_forward_hook(lambda *_: seen.append(__import__("torch").is_grad_enabled()))
-    image = save_png(tmp_path / "a.png", __import__("numpy").zeros((16, 16, 3), "uint8"))
+    model.register_forward_hook(lambda *_: seen.append(torch.is_grad_enabled()))
+    image = save_png(tmp_path / "a.png", np.zeros((16, 16, 3), "uint8"))
     assert len(predict(model, [image, image])[0]) == 3 and seen == [False, False]
 
 
