@@ -347,7 +347,14 @@ def test_eval_and_predict_precision_int8_say_what_they_calibrated_on(gray_model,
     image = save_png(tmp_path / "gray16.png", np.full((16, 16), 120, np.uint8))
     assert main(["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--threads", "1", str(image)]) == 0
     out = capsys.readouterr().out
-    assert "calibrated on 1 image (the images being predicted)" in out and out.count("%") == 5
+    assert "calibrated on 1 image (drawn from the images being predicted" in out and out.count("%") == 5
+    (tmp_path / "more").mkdir()
+    for n in range(4):
+        save_png(tmp_path / "more" / f"{n}.png", np.full((16, 16), 40 * n, np.uint8))
+    predict = ["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--threads", "1", "--top-k", "1"]
+    assert main([*predict, "--calibration-images", "2", str(tmp_path / "more")]) == 0
+    out = capsys.readouterr().out  # a sample calibrates; every image is predicted
+    assert "calibrated on 2 images (drawn from the images being predicted" in out and out.count("%") == 4
     assert main(["predict", "--checkpoint", str(gray_model), "--precision", "int8", "--no-optimize", str(image)]) == 2
     assert "drop --no-optimize" in capsys.readouterr().err
 

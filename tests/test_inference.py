@@ -574,6 +574,61 @@ def test_int8_refuses_missing_or_malformed_calibration_by_name():
         optimize(model, "int8", compile=True, calibration=torch.randn(2, 3, 32, 32))
 
 
+@pytest.mark.parametrize("runtime", ["torch", "openvino"])
+def test_int8_refuses_calibration_images_the_model_does_not_take_with_the_models_message(runtime):
+    """Before either quantizer sees them (OpenVINO's own exception; PT2E's guard on a later batch's size)."""
+    needs_torchao()
+    if runtime == "openvino":
+        needs_nncf()
+    model = small_model()
+    size = re.escape("calibration: input of shape (2, 3, 16, 16) does not match the model: expected (B, 3, 32, 32)")
+    with pytest.raises(ValueError, match=size):
+        optimize(model, "int8", calibration=torch.randn(2, 3, 16, 16), runtime=runtime)
+    with pytest.raises(ValueError, match=re.escape("calibration: input of shape (2, 1, 32, 32) has 1 channel")):
+        optimize(model, "int8", calibration=[torch.randn(2, 3, 32, 32), torch.randn(2, 1, 32, 32)], runtime=runtime)
+
+
+def test_calibration_reads_an_iterable_only_until_it_has_enough_images_and_uses_tensors_and_lists_whole():
+    """A DataLoader over a whole training set is read for `CALIBRATION_IMAGES` images, not to its end (which could
+    take hours and more memory than the machine has); what the caller holds already is used whole."""
+    model = small_model()
+    read = []
+
+    def loader(batches: int):  # (images, labels) pairs, as a DataLoader yields them
+        for _ in range(batches):
+            read.append(100)
+            yield torch.randn(100, 3, 32, 32), torch.zeros(100, dtype=torch.long)
+
+    enough = -(-copies.CALIBRATION_IMAGES // 100)  # batches of 100 that hold CALIBRATION_IMAGES
+    batches = copies.calibration_batches(loader(enough + 10), model)
+    assert len(batches) == len(read) == enough and all(b.shape == (100, 3, 32, 32) for b in batches)
+    assert len(copies.calibration_batches(loader(2), model)) == 2  # fewer: all of them
+    held = torch.randn(copies.CALIBRATION_IMAGES + 100, 3, 32, 32)
+    assert sum(map(len, copies.calibration_batches(held, model))) == len(held)
+    assert sum(map(len, copies.calibration_batches(list(held.split(100)), model))) == len(held)
+    assert len(copies.calibration_batches([torch.randn(0, 3, 32, 32), held[:2]], model)) == 1  # an empty batch: none
+
+
+def test_int8_in_openvino_calibrates_a_few_images_a_pass_whatever_the_batches(monkeypatch):
+    """NNCF's statistics model holds the input of every quantized layer for a whole pass: the images reach it
+    `NNCF_CALIBRATION_BATCH` at a time, all of them, however the caller batched them."""
+    needs_nncf()
+    import nncf
+
+    passes: list[int] = []
+    quantize = nncf.quantize
+
+    def counting(graph, dataset, *args, **kwargs):
+        passes.extend(len(images) for images in dataset.get_inference_data())
+        return quantize(graph, dataset, *args, **kwargs)
+
+    monkeypatch.setattr(nncf, "quantize", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
+        optimize(small_model(), "int8", calibration=[torch.randn(20, 3, 32, 32), torch.randn(3, 3, 32, 32)])
+    assert sum(passes) == 23 and max(passes) == copies.NNCF_CALIBRATION_BATCH, passes
+
+
 def test_int8_refuses_a_copy_whose_linear_layers_the_quantizer_left_in_fp32(monkeypatch):
     """Where torch and torchao do not work together the quantizer annotates nothing (torch 2.11 with torchao 0.18),
     and the copy would run fp32 arithmetic under the name int8: refused, naming both versions."""

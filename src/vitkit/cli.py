@@ -257,12 +257,7 @@ def _add_eval_command(sub) -> None:
         help="arithmetic of the forward passes: bf16 autocasts matrix products, auto is bf16 where the hardware has "
         "it, int8 quantizes (CPU; calibrated on --calibration-images of the train split) (default fp32)",
     )
-    p.add_argument(
-        "--calibration-images",
-        type=int,
-        default=CALIBRATION_IMAGES,
-        help=f"for --precision int8: images of the train split to calibrate on (default {CALIBRATION_IMAGES})",
-    )
+    _add_calibration_option(p, "the train split")
     _add_execution_options(p)
     p.add_argument("--fewshot", metavar="K,K,...", help="few-shot linear accuracy with K images per class, e.g. 1,5,10")
     p.add_argument("--draws", type=int, default=5, help="random draws of the shots to average (default 5)")
@@ -306,6 +301,16 @@ def _add_data_command(sub) -> None:
     p.set_defaults(func=commands.cmd_data_pack)
 
 
+def _add_calibration_option(p, source: str) -> None:
+    """--calibration-images: how many images, drawn at random from `source`, calibrate --precision int8."""
+    p.add_argument(
+        "--calibration-images",
+        type=int,
+        default=CALIBRATION_IMAGES,
+        help=f"for --precision int8: images of {source} to calibrate on, at random (default {CALIBRATION_IMAGES})",
+    )
+
+
 def _add_predict_command(sub) -> None:
     """`vitkit predict`."""
     p = sub.add_parser("predict", help="top-k classes of image files")
@@ -321,6 +326,7 @@ def _add_predict_command(sub) -> None:
         help="of the optimized copy: auto is bf16 where the hardware has it, else fp32; int8 quantizes "
         "(CPU), calibrated on the images being predicted (default auto)",
     )
+    _add_calibration_option(p, "the images being predicted")
     _add_execution_options(p)
     _add_reading_options(p)
     _add_optimize_option(p, runtime=True)

@@ -276,7 +276,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Top-1, top-5 and per-class accuracy of a checkpoint on a dataset's split; with --fewshot, the paper's
     few-shot linear accuracy of its frozen features instead."""
     from .data import get_dataset
-    from .evaluation import calibration_batches, evaluate, fewshot, format_eval
+    from .evaluation import calibration_from_dataset, evaluate, fewshot, format_eval
 
     model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     kwargs = {"data_dir": args.data_dir} if args.data_dir else {}
@@ -298,7 +298,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     read = dataset  # its log of skipped files, if any, is printed at the end
     _runtime_needs_optimize(args)
     if args.precision == "int8":
-        calibration = calibration_batches(model, get_dataset(args.data, "train", **kwargs), args.calibration_images)
+        calibration = calibration_from_dataset(
+            model, get_dataset(args.data, "train", **kwargs), args.calibration_images
+        )
         model, precision = _int8(model, args, calibration, f"{args.data}'s train split, --calibration-images"), "fp32"
     else:
         precision = resolve_precision(args.precision, next(model.parameters()).device)
@@ -335,14 +337,15 @@ def _std(values: list[float]) -> float:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
     from .data import read_image
-    from .evaluation import check_has_classes, image_batch, image_files, input_notes, predict
+    from .evaluation import calibration_from_files, check_has_classes, image_files, input_notes, predict
 
     model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     check_has_classes(model)  # before optimizing or calibrating a copy that could not be used
     files = image_files(args.images)
     _runtime_needs_optimize(args)
     if args.precision == "int8":
-        model = _int8(model, args, image_batch(model, files), "the images being predicted")
+        calibration = calibration_from_files(model, files, args.calibration_images)
+        model = _int8(model, args, calibration, "drawn from the images being predicted, --calibration-images")
     elif args.optimize:
         model = optimize(model, args.precision, runtime=_runtime(args, model, len(files)))
     elif args.precision != "auto":

@@ -211,11 +211,15 @@ def _compiled_in_openvino(graph: typing.Any, model: VisionTransformer, precision
 
 
 CALIBRATION_BATCH = 64  # images per forward pass when `calibration` is one tensor
-CALIBRATION_IMAGES = 512  # what the CLI calibrates on by default: a few batches
+NNCF_CALIBRATION_BATCH = 8  # images per pass of NNCF's statistics model (docs/PERFORMANCE.md)
+CALIBRATION_IMAGES = 512  # where calibration stops reading an iterable, and what the CLI calibrates on by default
 
 
-def calibration_batches(calibration: torch.Tensor | typing.Iterable | None) -> list[torch.Tensor]:
-    """The calibration images as a list of (B, C, H, W) batches; an iterable may yield (images, labels) pairs."""
+def calibration_batches(calibration: torch.Tensor | typing.Iterable | None, model: nn.Module) -> list[torch.Tensor]:
+    """The calibration images as a list of (B, C, H, W) batches: every image of a tensor or a list of batches, and
+    of any other iterable (a DataLoader; it may yield (images, labels) pairs) the batches until they hold
+    `CALIBRATION_IMAGES` images, so that a DataLoader over a whole training set is neither read to its end nor held
+    in memory: the scales settle within a few hundred images. Each batch must be what `model` takes."""
     if calibration is None:
         raise ValueError(
             "precision='int8' needs calibration=: a few batches of typical input images (a (B, C, "
@@ -224,13 +228,21 @@ def calibration_batches(calibration: torch.Tensor | typing.Iterable | None) -> l
         )
     if isinstance(calibration, torch.Tensor):
         calibration = calibration.split(CALIBRATION_BATCH) if calibration.dim() == 4 else [calibration]
-    batches = []
+    batches: list[torch.Tensor] = []
     for item in calibration:
         images = item[0] if isinstance(item, (tuple, list)) else item
         if not isinstance(images, torch.Tensor) or images.dim() != 4:
             got = f"shape {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
             raise ValueError(f"calibration: got {got}; give image batches (B, C, H, W), as the model takes them.")
-        batches.append(images)
+        if isinstance(model, VisionTransformer):
+            try:
+                check_images(images, model.config)
+            except ValueError as e:
+                raise ValueError(f"calibration: {e}") from None
+        if len(images):
+            batches.append(images)
+        if not isinstance(calibration, (list, tuple)) and sum(map(len, batches)) >= CALIBRATION_IMAGES:
+            break
     if not batches:
         raise ValueError("calibration= is empty: give at least one batch of images (a few hundred images is typical).")
     return batches
@@ -290,7 +302,7 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
         from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
     except ImportError:
         raise ValueError("precision='int8' needs torchao (pip install torchao, or vitkit[int8]).") from None
-    batches = calibration_batches(calibration)
+    batches = calibration_batches(calibration, model)
     _warn_without_fast_int8()
     plain = copy.deepcopy(model).eval().requires_grad_(False)
     _plain_nn_linears(plain)
@@ -368,11 +380,14 @@ def quantize_int8_openvino(
     machine.compile_quietly_on(device)  # NNCF imports torch's C++ extension builder, which logs the CUDA note
     import nncf
 
-    batches = calibration_batches(calibration)
+    batches = calibration_batches(calibration, model)
     _warn_without_fast_int8()
     plain, example = _plain_copy(model)
     graph = _openvino_graph(plain, example)
-    data = nncf.Dataset([images.to(dtype=torch.float32, device="cpu").numpy() for images in batches])
+    # NNCF's statistics model returns the input of every layer it quantizes, for a whole batch at once, so memory
+    # grows with the batch: the images go through it a few at a time, whatever batches they came in.
+    images = torch.cat([batch.to(dtype=torch.float32, device="cpu") for batch in batches])
+    chunks = [chunk.numpy() for chunk in images.split(NNCF_CALIBRATION_BATCH)]
     # Without SmoothQuant, which moves activation range into the weights: on a trained ViT with a GAP head it took
     # held-out top-1 from 84% to 23% (without it: 84%), and it did not help a class-token model.
     advanced = nncf.AdvancedQuantizationParameters(smooth_quant_alphas=nncf.AdvancedSmoothQuantParameters(matmul=-1))
@@ -389,9 +404,9 @@ def quantize_int8_openvino(
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             quantized = nncf.quantize(
                 graph,
-                data,
+                nncf.Dataset(chunks),
                 model_type=nncf.ModelType.TRANSFORMER,
-                subset_size=len(batches),
+                subset_size=len(chunks),
                 ignored_scope=attention,
                 advanced_parameters=advanced,
             )

@@ -176,7 +176,7 @@ def in_models_classes(dataset: LabelledDataset, model: Model) -> tuple[LabelledD
     return dataset, "by position"
 
 
-def calibration_batches(
+def calibration_from_dataset(
     model: Model, dataset: LabelledDataset, images: int = CALIBRATION_IMAGES, batch_size: int = 128, seed: int = 0
 ) -> list[torch.Tensor]:
     """`images` images drawn at random (`seed`) from `dataset`, preprocessed as `evaluate` does, in batches: the
@@ -192,16 +192,21 @@ def calibration_batches(
     ]
 
 
-def image_batch(model: Model, paths: Sequence[str | os.PathLike]) -> torch.Tensor:
-    """The readable images among `paths`, preprocessed as `predict` does, as one (B, C, H, W) batch (the
-    calibration data `vitkit predict --precision int8` uses: the images it predicts)."""
-    images = []
-    for path in paths:
+def calibration_from_files(
+    model: Model, paths: Sequence[str | os.PathLike], images: int = CALIBRATION_IMAGES, seed: int = 0
+) -> torch.Tensor:
+    """The readable images among `images` of `paths` drawn at random (`seed`; all of them if fewer), preprocessed
+    as `predict` does, as one (B, C, H, W) batch: the calibration data `vitkit predict --precision int8` uses."""
+    if images < 1:
+        raise ValueError(f"images={images}: calibrate on at least one image (a few hundred is typical).")
+    chosen = torch.randperm(len(paths), generator=torch.Generator().manual_seed(seed))[:images].sort().values
+    pixels = []
+    for i in chosen.tolist():
         with contextlib.suppress(ImageError):  # `predict` reports it, once
-            images.append(eval_batch(read_image(path), model.config.image_size, model.config.in_chans))
-    if not images:
+            pixels.append(eval_batch(read_image(paths[i]), model.config.image_size, model.config.in_chans))
+    if not pixels:
         raise ValueError("no readable image to calibrate int8 on: give image files that open.")
-    return torch.cat(images)
+    return torch.cat(pixels)
 
 
 def format_eval(result: EvalResult, classes: list[str] | None) -> str:

@@ -179,7 +179,7 @@ def optimize(
         if runtime not in OPTIMIZE_RUNTIMES:
             raise ValueError(f"runtime={runtime!r}: choose from {', '.join(OPTIMIZE_RUNTIMES)}.")
         device = next(model.parameters()).device
-        batches = copies.calibration_batches(calibration)
+        batches = copies.calibration_batches(calibration, model)
         nncf_pays = copies.openvino_pays("fp32", device) and copies.nncf_available()
         if runtime == "openvino" or (runtime == "auto" and nncf_pays):
             try:  # an OpenVINOModel or an Int8Model: a VisionTransformer's inference interface
