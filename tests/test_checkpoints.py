@@ -156,6 +156,17 @@ def test_convert_cli_turns_official_npz_into_each_format(tmp_path, fixtures_dir,
     assert "absent.npz" in capsys.readouterr().err
 
 
+def test_convert_cli_without_to_writes_the_format_the_destinations_suffix_names(tmp_path, fixtures_dir, capsys):
+    """As `vitkit.export` does: .npz the official layout, .safetensors vitkit's own."""
+    from vitkit.formats import detect_format
+
+    src = fixtures_dir / "vit_tiny_token_params.npz"
+    for dst, fmt in [("m.npz", "npz"), ("m.safetensors", "vitkit")]:
+        assert main(["convert", str(src), str(tmp_path / dst)]) == 0
+        assert f"-> {tmp_path / dst} ({fmt})" in capsys.readouterr().out
+        assert detect_format(tmp_path / dst) == fmt, dst
+
+
 def test_npz_arrays_of_object_dtype_are_refused(tmp_path):
     np.savez(tmp_path / "obj.npz", embedding=np.array([{"a": 1}], dtype=object))
     with pytest.raises(

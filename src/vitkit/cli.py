@@ -172,9 +172,10 @@ def _add_convert_command(sub) -> None:
     )
     p.add_argument(
         "--to",
-        required=True,
-        choices=formats.WRITABLE,
-        help="output format (onnx: a graph for ONNX Runtime, OpenVINO, ...; needs onnxscript)",
+        default="auto",
+        choices=("auto", *formats.WRITABLE),
+        help="output format (onnx: a graph for ONNX Runtime, OpenVINO, ...; needs onnxscript); auto: the one DST's "
+        "suffix names (.onnx, .npz), else vitkit (default auto)",
     )
     p.add_argument("--format", default="auto", choices=("auto", *formats.FORMATS), help="input format")
     _add_overwrite_option(p, "DST")

@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from . import config as cfg
+from . import formats
 from .checkpoints import export, load_checkpoint
 from .efficiency import count_params, flops
 from .inference import optimize
@@ -58,9 +59,10 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Load a checkpoint of any format and write it in another."""
     model = load_checkpoint(args.src, format=args.format, allow_nonfinite=args.allow_nonfinite)
+    to = formats.export_format(args.dst) if args.to == "auto" else args.to
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        export(model, args.dst, format=args.to, overwrite=args.overwrite)
+        export(model, args.dst, format=to, overwrite=args.overwrite)
     for warning in caught:
         print(f"vitkit convert: warning: {warning.message}", file=sys.stderr)
     c = model.config
@@ -69,7 +71,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         shape += f", {c.image_size} px"
     else:
         shape = f"{c.name}, {c.image_size} px"
-    print(f"{args.src} -> {args.dst} ({args.to}): {shape}, {c.num_classes} classes")
+    print(f"{args.src} -> {args.dst} ({to}): {shape}, {c.num_classes} classes")
     return 0
 
 

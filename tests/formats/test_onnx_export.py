@@ -172,9 +172,12 @@ def test_convert_cli_writes_onnx(tmp_path, capsys):
     vitkit.export(model, tmp_path / "m.safetensors")
     assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "m.onnx"), "--to", "onnx"]) == 0
     assert "(onnx)" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "by-suffix.onnx")]) == 0
+    assert "(onnx)" in capsys.readouterr().out  # --to left out: the suffix names the format
     x = torch.randn(BATCH, 3, 32, 32)
     with torch.no_grad():
-        assert relative_error(onnxruntime_logits(tmp_path / "m.onnx", x), model(x).numpy()) <= 1e-5
+        for name in ("m.onnx", "by-suffix.onnx"):
+            assert relative_error(onnxruntime_logits(tmp_path / name, x), model(x).numpy()) <= 1e-5
 
 
 @pytest.mark.slow
