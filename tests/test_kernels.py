@@ -2,6 +2,8 @@
 F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too. And
 `kernels.attend`'s paths, each checked against SDPA in fp32."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,3 +224,18 @@ def test_bf16_inference_attention_on_a_cpu_without_amx_is_written_out_piecewise_
         assert len(calls) == (0 if amx else 3)
     kernels.attend(q.requires_grad_(), k, v, bias, 0.0)  # training keeps its own path
     assert len(calls) == (0 if amx else 3)
+
+
+def test_a_traced_models_attention_scale_is_a_constant_not_computed_from_the_shape():
+    """In a TorchScript trace (how OpenVINO's frontend converts the model for `optimize`) 1/sqrt(d) is a constant:
+    computed from the traced shape, it was a few shape operations a layer on every call."""
+    model = new_model("ViT-Ti/8", hidden_size=32, num_layers=2, mlp_dim=64, num_heads=4, image_size=32).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jit.trace's deprecation; the tracer's notes on the model's shape checks
+        traced = torch.jit.trace(model, x, check_trace=False)
+    powers = [node for node in traced.inlined_graph.nodes() if node.kind() == "aten::pow"]
+    assert not powers, powers
+    y = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(traced(y), model(y), atol=1e-6)

@@ -171,7 +171,7 @@ def attend_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
     attention's as SDPA's do."""
     b, h, n, _ = q.shape
     step = max(1, BF16_CPU_LOGITS // (h * n * k.shape[-2]))
-    q = q * q.shape[-1] ** -0.5
+    q = q * head_scale(q)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     for i in range(0, b, step):
         logits = q[i : i + step] @ k[i : i + step].transpose(-2, -1)  # (b, H, N, N)
@@ -181,12 +181,19 @@ def attend_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
     return out
 
 
+def head_scale(q: torch.Tensor) -> float:
+    """1/sqrt(d) for queries (..., d), as a number: in a TorchScript trace a constant, where `q.shape[-1] ** -0.5`
+    would be computed from the traced shape on every call (OpenVINO ran a small model's graph a few percent slower
+    for it)."""
+    return float(q.shape[-1]) ** -0.5
+
+
 def attend_explicit(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend` written out, and the attention probabilities (B, H, N, N): the two matmuls in q's dtype (or
     autocast's), the softmax in fp32."""
-    logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, H, N, N)
+    logits = (q * head_scale(q)) @ k.transpose(-2, -1)  # (B, H, N, N)
     if bias is not None:
         logits = logits + bias
     probs = logits.float().softmax(dim=-1).to(v.dtype)
