@@ -324,6 +324,45 @@ def test_openvino_copy_made_with_one_thread_runs_batches():
         assert (fast(x) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_openvino_copy_runs_a_small_models_small_batches_whole_and_larger_ones_in_its_streams(monkeypatch):
+    """Where a stream's part of a batch would hold under `STREAM_MIN_FLOPS`, the batch runs whole on one request
+    with every thread (starting the streams cost more than they saved), else split among the streams; every path
+    gives the model's logits, and none hands out a buffer that the next call overwrites."""
+    needs_openvino()
+    model = small_model()
+    image = vitkit.flops(model.config)
+    assert image * 2 < copies.STREAM_MIN_FLOPS  # small enough that a batch of two is not split
+    fast = optimize(model, "fp32", runtime="openvino")
+    assert fast.split_from > 2 and fast.small is not fast.single and f"from {fast.split_from} images" in repr(fast)
+    assert (fast.split_from - 1) * image < copies.STREAM_MIN_FLOPS * fast.streams <= fast.split_from * image
+    split = []
+    monkeypatch.setattr(
+        fast, "split", lambda array: split.append(len(array)) or copies.OpenVINOModel.split(fast, array)
+    )
+    with torch.no_grad():
+        outputs = []
+        for batch in (1, 2, fast.split_from - 1, fast.split_from, 1):
+            x = torch.randn(batch, 3, 32, 32)
+            want = model(x)
+            got = fast(x)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), batch
+            outputs.append((got, got.clone()))
+    assert split == [fast.split_from]
+    assert all(torch.equal(got, kept) for got, kept in outputs)  # later calls left earlier logits alone
+
+
+def test_openvino_copy_splits_every_batch_of_a_model_with_enough_work_in_one_image():
+    needs_openvino()
+    model = small_model(hidden_size=256, mlp_dim=1024, image_size=64, patch_size=4)  # 256 patches: 1.1 GFLOP
+    assert vitkit.flops(model.config) >= copies.STREAM_MIN_FLOPS
+    fast = optimize(model, "fp32", runtime="openvino")
+    assert fast.split_from == 2 and fast.small is fast.single and "from" not in repr(fast)
+    with torch.no_grad():
+        x = torch.randn(2, 3, 64, 64)
+        want = model(x)
+        assert (fast(x) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_openvino_copy_compiles_attention_as_openvino_does_the_exported_graph(tmp_path):
     """The copy's graph (OpenVINO's trace of the model, in which attention is written out) compiles to no more
     transposes and reorders than OpenVINO makes of the ONNX graph `vitkit.export` writes; converted from SDPA, each

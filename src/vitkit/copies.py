@@ -18,6 +18,7 @@ import copy
 import functools
 import io
 import logging
+import math
 import typing
 import warnings
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from . import machine
+from .efficiency import flops
 from .kernels import Linear
 from .model import VisionTransformer, check_images
 
@@ -115,21 +117,37 @@ class OpenVINOModel(InferenceCopy):
     It holds the model compiled twice: for one image, with every thread on it (OpenVINO's latency hint, the shape
     fixed at one image for a plain ViT); for a batch, with the threads shared out among OpenVINO's throughput
     streams (`streams`), each of which runs one part of the batch at the same time (less waiting between threads
-    than all of them on every product: faster from 2 images on; figures in docs/PERFORMANCE.md). One call at a
+    than all of them on every product; figures in docs/PERFORMANCE.md). A batch too small to split (under
+    `split_from` images, each part under `STREAM_MIN_FLOPS`) runs whole with every thread on it, on a third
+    compilation (`small`, with the latency hint and a variable batch) where the model is that small. One call at a
     time. `single_images`, where `optimize` sets it, is a copy with vitkit's own kernels that runs single images
     instead (where those ran faster: `inference.torch_pays_for_single_images`)."""
 
     runtime = "openvino"
     what = "the OpenVINO copy"
 
-    def __init__(self, single: typing.Any, batched: typing.Any, model: VisionTransformer, precision: str):
+    def __init__(
+        self,
+        single: typing.Any,
+        batched: typing.Any,
+        model: VisionTransformer,
+        precision: str,
+        small: typing.Any = None,
+        split_from: int = 2,
+    ):
+        import openvino
+
         super().__init__(model)
         self.single, self.request = single, single.create_infer_request()
         self.batched = batched
         self.streams = int(batched.get_property("NUM_STREAMS"))
         self.requests = [batched.create_infer_request() for _ in range(self.streams)]
+        self.small = small
+        self.small_request = small.create_infer_request() if small is not None else None
+        self.split_from = split_from if small is not None else 2
         self.precision = precision
         self.single_images: nn.Module | None = None
+        self.tensor = openvino.Tensor
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -137,20 +155,38 @@ class OpenVINOModel(InferenceCopy):
         if len(x) == 1 and self.single_images is not None:
             return self.single_images(x).float()
         array = x.detach().to(torch.float32).contiguous().numpy()
+        # The requests' own tensors, set and read directly: `infer([array])` converts its inputs and outputs in
+        # Python, which costs as much as a small model's whole forward pass.
         if len(array) == 1:  # the single-image copy, whose shape may be fixed at one image
-            return torch.from_numpy(self.request.infer([array], share_inputs=True)[0])  # a fresh array
+            return self.whole(self.request, array)
+        if len(array) < self.split_from:
+            return self.whole(self.small_request, array)
+        return self.split(array)
+
+    def whole(self, request: typing.Any, array: np.ndarray) -> torch.Tensor:
+        """The logits of `array` (a contiguous float32 batch) run by one infer request."""
+        request.set_input_tensor(self.tensor(array, shared_memory=True))
+        request.infer()
+        return torch.from_numpy(request.get_output_tensor().data.copy())
+
+    def split(self, array: np.ndarray) -> torch.Tensor:
+        """The logits of `array` (two images or more), one part in each stream at the same time."""
         parts = np.array_split(array, min(len(array), self.streams))  # rows of a contiguous array: contiguous
         for request, part in zip(self.requests, parts):
-            request.start_async([part], share_inputs=True)
+            request.set_input_tensor(self.tensor(part, shared_memory=True))
+            request.start_async()
         for request in self.requests[: len(parts)]:
             request.wait()
-        outputs = [request.get_output_tensor(0).data.copy() for request in self.requests[: len(parts)]]
+        outputs = [request.get_output_tensor().data.copy() for request in self.requests[: len(parts)]]
         return torch.from_numpy(np.concatenate(outputs))
 
     def extra_repr(self) -> str:
         threads = self.single.get_property("INFERENCE_NUM_THREADS")
+        small = f" from {self.split_from} images" if self.split_from > 2 else ""
         single = ", single images with vitkit's kernels" if self.single_images is not None else ""
-        return f"OpenVINO {self.precision} on the CPU, {threads} threads, batches in {self.streams} streams{single}"
+        return (
+            f"OpenVINO {self.precision} on the CPU, {threads} threads, batches in {self.streams} streams{small}{single}"
+        )
 
 
 def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
@@ -161,8 +197,10 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
     fast = _compiled_in_openvino(_openvino_graph(plain, example), model, precision)
     with torch.inference_mode():
         reference = plain(example)
-    got = torch.cat([fast(example[:1]), fast(example[1:]), fast(example)])  # each compiled copy
-    error = float((got - reference.repeat(2, 1)).abs().max() / reference.abs().max().clamp_min(1e-12))
+    # Each compilation: single images, a batch of two (the small-batch one where the model is that small), and the
+    # streams, which larger batches take.
+    got = torch.cat([fast(example[:1]), fast(example[1:]), fast(example), fast.split(example.numpy())])
+    error = float((got - reference.repeat(3, 1)).abs().max() / reference.abs().max().clamp_min(1e-12))
     if not error <= OPENVINO_TOLERANCE[precision]:
         raise ValueError(
             f"OpenVINO's {precision} logits differ from the model's by {error:.1e} (relative; the limit is "
@@ -193,8 +231,8 @@ def _openvino_graph(plain: VisionTransformer, example: torch.Tensor) -> typing.A
 
 
 def _compiled_in_openvino(graph: typing.Any, model: VisionTransformer, precision: str) -> OpenVINOModel:
-    """`graph` compiled for the CPU with torch's number of threads, twice (`OpenVINOModel`): its layers outside
-    the int8 ones, if any, in `precision` (int8: bf16 where it is native, else fp32)."""
+    """`graph` compiled for the CPU with torch's number of threads, two or three times (`OpenVINOModel`): its layers
+    outside the int8 ones, if any, in `precision` (int8: bf16 where it is native, else fp32)."""
     if precision == "int8":
         hint = "bf16" if machine.bf16_is_native("cpu") else "f32"
     else:
@@ -202,12 +240,28 @@ def _compiled_in_openvino(graph: typing.Any, model: VisionTransformer, precision
     settings = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "INFERENCE_PRECISION_HINT": hint}
     core = openvino_core()
     batched = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "THROUGHPUT"})
+    streams = int(batched.get_property("NUM_STREAMS"))
+    # The smallest batch whose parts, one a stream, each hold STREAM_MIN_FLOPS (a model with more in one image splits
+    # any batch: each part holds one image at least).
+    image = flops(model.config)
+    split_from = max(2, math.ceil(STREAM_MIN_FLOPS * streams / image)) if image < STREAM_MIN_FLOPS else 2
     # Single images with the shape fixed at one image, which the plugin plans for; not the hybrid (or any CNN stem),
     # whose graph OpenVINO's CPU plugin (2026.4) crashes on compiling with a fixed shape.
-    if isinstance(model, VisionTransformer) and model.config.hybrid is None:
+    fixed = isinstance(model, VisionTransformer) and model.config.hybrid is None
+    # Batches too small to split among the streams run whole with every thread: on a compilation of their own
+    # where the single-image one is fixed at one image, else on that one.
+    needed = fixed and split_from > 2
+    small = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"}) if needed else None
+    if fixed:
         graph.reshape([1, model.config.in_chans, *model.config.image_size])
     single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
-    return OpenVINOModel(single, batched, model, precision)
+    return OpenVINOModel(single, batched, model, precision, small or single, split_from)
+
+
+# The least work (FLOPs, a multiply-add as 2) in each stream's part of a batch for OpenVINOModel to split the batch
+# among its streams: below it, starting the streams and waiting for them cost more than running the parts at once
+# saves, and the batch runs whole with every thread on it (docs/PERFORMANCE.md).
+STREAM_MIN_FLOPS = 0.5e9
 
 
 CALIBRATION_BATCH = 64  # images per forward pass when `calibration` is one tensor
