@@ -386,6 +386,30 @@ def runtimes(records: list[dict]) -> str:
     return markdown(head, rows, right=6)
 
 
+def bench_compare(records: list[dict]) -> str:
+    """`vitkit bench --compare` on one model: images/s of `vitkit.optimize`'s copy, ONNX Runtime and OpenVINO, and
+    the copy over the fastest runtime (the median of the rounds' ratios), from the latest record of each machine and
+    model."""
+    latest: dict[tuple[str, str], dict] = {}
+    for record in sorted((r for r in records if r.get("benchmark") == "bench-compare"), key=lambda r: r["date"]):
+        latest[(label(record["machine"]), record.get("model_name", record["model"]))] = record
+    rows = []
+    for (machine, model), record in latest.items():
+        cells: dict[tuple[str, int], dict[str, list[float]]] = {}
+        for row in record["rows"]:
+            cells.setdefault((row["precision"], row["batch"]), {})[row["contender"]] = row["rounds"]
+        for (precision, batch), rounds in sorted(cells.items()):
+            medians = {k: statistics.median(v) for k, v in rounds.items()}
+            fastest = max((p for p in ("onnxruntime", "openvino") if p in rounds), key=medians.__getitem__)
+            contenders = ("vitkit.optimize", "onnxruntime", "openvino")
+            rates = [f"{medians[k]:.0f}" if k in medians else "-" for k in contenders]
+            ratio = paired_ratio(rounds["vitkit.optimize"], rounds[fastest])
+            rows.append([machine, model, str(batch), precision, *rates, f"{ratio:.2f}x"])
+    head = ["machine", "model", "batch", "precision", "optimize img/s", "ONNX Runtime", "OpenVINO",
+            "optimize / fastest runtime"]  # fmt: skip
+    return markdown(head, rows, right=4)
+
+
 def own_images(dataset: str) -> Callable[[list[dict]], str]:
     """benchmarks/own_images.py on one dataset: the defaults against hand-tuned options, each setting from the
     latest record that ran it."""
@@ -505,6 +529,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "deploy": deploy,
     "deploy-int8": deploy_int8,
     "runtimes": runtimes,
+    "bench-compare": bench_compare,
     "openvino-graphs": openvino_graphs,
     "inference": inference,
     "training": training,
