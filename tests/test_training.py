@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -187,6 +188,8 @@ def test_eval_and_predict_commands_on_a_trained_model(mnist_run, tmp_path, capsy
     assert main(["eval", "--checkpoint", model_path, "--data", "mnist-5k"]) == 0
     out = capsys.readouterr().out
     assert f"top-1 {100 * mnist_run.final.top1:.2f}%" in out and out.count("%  of ") == 10
+    assert main(["eval", "--checkpoint", str(mnist_run.run_dir), "--data", "mnist-5k"]) == 0  # the run directory
+    assert f"top-1 {100 * mnist_run.final.top1:.2f}%" in capsys.readouterr().out
     digits = get_dataset("mnist-5k", "test")
     paths = []
     for i in range(3):
@@ -346,3 +349,29 @@ def test_a_data_dir_without_the_dataset_stops_the_run_before_it_records_anything
     err = capsys.readouterr().err
     assert "fashion-mnist: train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz" in err
     assert f"not found in {tmp_path / 'empty'}" in err and not (run / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_a_run_directory_loads_as_its_model_finished_or_not_and_its_checkpoint_pt_is_not_a_model(tmp_path, capsys):
+    """`--checkpoint RUN`, the directory `vitkit train` prints: its model.safetensors, or before the run has
+    finished its best.safetensors, with a warning; the summary of a stopped run lists the files it has."""
+    run = tmp_path / "run"
+    config = shapes_config(run, eval_every=1)
+    stopped = train(config, stop_after=config.steps - 1)
+    assert stopped.interrupted and (run / "best.safetensors").is_file() and not (run / "model.safetensors").exists()
+    files = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("files"))
+    assert "best.safetensors" in files and "checkpoint.pt" in files and "model.safetensors" not in files
+    with pytest.warns(UserWarning, match="has not finished .*loaded best.safetensors"):
+        best = vitkit.load_checkpoint(run)
+    assert_same_weights(best.state_dict(), vitkit.load_checkpoint(run / "best.safetensors").state_dict())
+    with pytest.raises(vitkit.CheckpointError, match="a training checkpoint .*model.safetensors or best.safetensors"):
+        vitkit.load_checkpoint(run / "checkpoint.pt")
+    train(resume=run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # finished: no warning
+        final = vitkit.load_checkpoint(run)
+    assert_same_weights(final.state_dict(), vitkit.load_checkpoint(run / "model.safetensors").state_dict())
+    (run / "model.safetensors").unlink()
+    (run / "best.safetensors").unlink()
+    with pytest.raises(vitkit.CheckpointError, match=r"saved no model yet .*vitkit train --resume"):
+        vitkit.load_checkpoint(run)

@@ -46,6 +46,34 @@ def adapt(
     return model
 
 
+# What `vitkit train` leaves in a run directory, beside metrics.jsonl: the final model, and the best evaluated so far.
+RUN_MODELS = ("model.safetensors", "best.safetensors")
+
+
+def run_model(path: Path) -> Path:
+    """The model file of a `vitkit train` run directory: model.safetensors, else best.safetensors (a run that has
+    not finished, with a warning); any other path as it is."""
+    if not path.is_dir():
+        return path
+    final, best = (path / name for name in RUN_MODELS)
+    if formats.FORMATS["vitkit"].detect(final):
+        return final
+    if formats.FORMATS["vitkit"].detect(best):
+        warnings.warn(
+            f"{path}: the run has not finished (no model.safetensors): loaded best.safetensors, its best "
+            "evaluation so far.",
+            stacklevel=3,
+        )
+        return best
+    if (path / "metrics.jsonl").is_file() and (path / "config.json").is_file():
+        raise CheckpointError(
+            path,
+            "a vitkit run that has saved no model yet (it stopped before its first evaluation): resume it with "
+            f"`vitkit train --resume {path}`.",
+        )
+    return path
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -60,7 +88,8 @@ def load_checkpoint(
 
     Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory), "dinov2"
     (a Hugging Face Dinov2Model directory), "onnx" (a ViT backbone graph); "auto" tells them apart
-    (`vitkit.formats.detect_format`). `path` may also be a pretrained name (`vitkit pretrained` lists them).
+    (`vitkit.formats.detect_format`). `path` may also be a pretrained name (`vitkit pretrained` lists them), or
+    a `vitkit train` run directory (its model, `run_model`).
     The config is inferred from the file. `overrides` set config fields the file does not record (e.g.
     `drop_path_rate` for fine-tuning, `num_heads` for timm).
     A file that cannot be read as a model raises `vitkit.CheckpointError` naming the file and the key; so do
@@ -70,6 +99,8 @@ def load_checkpoint(
         return load_pretrained(
             str(path), image_size=image_size, num_classes=num_classes, allow_nonfinite=allow_nonfinite, **overrides
         )
+    if format in ("auto", "vitkit"):
+        path = run_model(Path(path))
     name = formats.detect_format(path) if format == "auto" else format
     reader = partial(formats.get_format(name).load, image_size=image_size, **overrides)
     check_fields(ViTConfig, overrides)

@@ -201,6 +201,13 @@ def read_torch(path: str | os.PathLike) -> Tensors:
             f"refused or unreadable as a weights-only torch file ({type(e).__name__}: {str(e)[:300]}). "
             "vitkit never unpickles arbitrary objects; convert the file to safetensors with its own trusted code.",
         ) from e
+    if isinstance(data, dict) and "optimizer" in data:
+        raise CheckpointError(
+            path,
+            "a training checkpoint (weights with an optimiser's state, as `vitkit train` writes for --resume), not "
+            "a model file: load the model saved beside it (a vitkit run: its model.safetensors or best.safetensors, "
+            "or the run directory itself).",
+        )
     if not isinstance(data, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in data.items()):
         raise CheckpointError(path, f"expected a flat state dict of named tensors, got a {type(data).__name__}.")
     return dict(data)

@@ -715,7 +715,6 @@ def format_summary(result: TrainResult, config: TrainConfig, model: Model) -> st
     if result.final is not None:
         lines.append(f"test       {format_eval(result.final, model.class_names)}")
         lines.append(f"best       top-1 {100 * result.best_top1:.2f}%")
-    files = ["config.json", "metrics.jsonl", "checkpoint.pt" if config.strategy == "ddp" else f"{SHARDED_CHECKPOINT}/"]
-    files += [] if result.interrupted else ["model.safetensors", "best.safetensors", "curves.png", "confusion.png"]
+    files = sorted(f"{p.name}/" if p.is_dir() else p.name for p in Path(result.run_dir).iterdir() if p.name[0] != ".")
     lines += [f"files      {', '.join(files)}", "=" * 72]
     return "\n".join(lines)
