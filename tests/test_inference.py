@@ -478,7 +478,7 @@ def test_where_vitkits_kernels_pay_for_single_images_auto_hands_them_only_single
     monkeypatch.setattr(opt, "torch_pays_for_single_images", lambda config, precision: True)
     fast = optimize(model, "fp32")
     assert isinstance(fast, copies.OpenVINOModel) and isinstance(fast.single_images, vitkit.VisionTransformer)
-    assert "single images with vitkit's kernels" in repr(fast)
+    assert "single images with vitkit's kernels" in repr(fast) and "\n" not in repr(fast)  # not the copy's layers
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         want = model(x)
@@ -806,7 +806,10 @@ def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_wher
     monkeypatch.setattr(copies, "nncf_available", lambda: False)
     with pytest.raises(ValueError, match="needs OpenVINO and NNCF: pip install openvino nncf"):
         optimize(model, "int8", calibration=images, runtime="openvino")
-    assert isinstance(optimize(model, "int8", calibration=images), copies.Int8Model)
+    pt2e = optimize(model, "int8", calibration=images)
+    assert (
+        isinstance(pt2e, copies.Int8Model) and repr(pt2e).startswith("Int8Model(PT2E int8") and "\n" not in repr(pt2e)
+    )
     monkeypatch.undo()
     monkeypatch.setattr(nncf, "quantize", lambda graph, *args, **kwargs: graph)  # quantizes nothing
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + 1  # and the patch embedding's

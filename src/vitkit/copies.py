@@ -101,6 +101,11 @@ class InferenceCopy(nn.Module):
         """The logits of a batch of one image or more, checked against the model's input."""
         raise NotImplementedError
 
+    def __repr__(self) -> str:
+        # One line: what runs the copy. The modules inside (a compiled graph, a copy for single images) are the
+        # engine's, and nn.Module's repr would list them by the dozen.
+        return f"{type(self).__name__}({self.extra_repr()})"
+
     def train(self, mode: bool = True) -> InferenceCopy:
         """eval() (a no-op: the copy was made for inference, and a runtime's graph has no training mode); train()
         is refused."""
