@@ -260,7 +260,7 @@ def _compiled_in_openvino(graph: typing.Any, model: VisionTransformer, precision
     if fixed:
         graph.reshape([1, model.config.in_chans, *model.config.image_size])
     single = core.compile_model(graph, "CPU", {**settings, "PERFORMANCE_HINT": "LATENCY"})
-    return OpenVINOModel(single, batched, model, precision, small or single, split_from)
+    return OpenVINOModel(single, batched, model, precision, small if small is not None else single, split_from)
 
 
 # The least work (FLOPs, a multiply-add as 2) in each stream's part of a batch for OpenVINOModel to split the batch
