@@ -124,9 +124,9 @@ class OpenVINOModel(InferenceCopy):
     streams (`streams`), each of which runs one part of the batch at the same time (less waiting between threads
     than all of them on every product; figures in docs/PERFORMANCE.md). A batch too small to split (under
     `split_from` images, each part under `STREAM_MIN_FLOPS`) runs whole with every thread on it, on a third
-    compilation (`small`, with the latency hint and a variable batch) where the model is that small. One call at a
-    time. `single_images`, where `optimize` sets it, is a copy with vitkit's own kernels that runs single images
-    instead (where those ran faster: `inference.torch_pays_for_single_images`)."""
+    compilation (`small`, with the latency hint and a variable batch) where the model is that small, else on the
+    single-image one. One call at a time. `single_images`, where `optimize` sets it, is a copy with vitkit's own
+    kernels that runs single images instead (where those ran faster: `inference.torch_pays_for_single_images`)."""
 
     runtime = "openvino"
     what = "the OpenVINO copy"
@@ -137,8 +137,8 @@ class OpenVINOModel(InferenceCopy):
         batched: typing.Any,
         model: VisionTransformer,
         precision: str,
-        small: typing.Any = None,
-        split_from: int = 2,
+        small: typing.Any,
+        split_from: int,
     ):
         import openvino
 
@@ -147,9 +147,8 @@ class OpenVINOModel(InferenceCopy):
         self.batched = batched
         self.streams = int(batched.get_property("NUM_STREAMS"))
         self.requests = [batched.create_infer_request() for _ in range(self.streams)]
-        self.small = small
-        self.small_request = small.create_infer_request() if small is not None else None
-        self.split_from = split_from if small is not None else 2
+        self.small, self.small_request = small, small.create_infer_request()
+        self.split_from = split_from
         self.precision = precision
         self.single_images: nn.Module | None = None
         self.tensor = openvino.Tensor
