@@ -176,14 +176,19 @@ def in_models_classes(dataset: LabelledDataset, model: Model) -> tuple[LabelledD
     return dataset, "by position"
 
 
+def _calibration_draw(count: int, images: int, seed: int) -> list[int]:
+    """`images` of the indices 0..count-1 drawn at random (`seed`; all of them, shuffled, if fewer)."""
+    if images < 1:
+        raise ValueError(f"images={images}: calibrate on at least one image (a few hundred is typical).")
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed))[:images].tolist()
+
+
 def calibration_from_dataset(
     model: Model, dataset: LabelledDataset, images: int = CALIBRATION_IMAGES, batch_size: int = 128, seed: int = 0
 ) -> list[torch.Tensor]:
     """`images` images drawn at random (`seed`) from `dataset`, preprocessed as `evaluate` does, in batches: the
     calibration data of `vitkit.optimize(model, "int8", calibration=...)` (pass the training split)."""
-    if images < 1:
-        raise ValueError(f"images={images}: calibrate on at least one image (a few hundred is typical).")
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:images].tolist()
+    order = _calibration_draw(len(dataset), images, seed)
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     return [
         eval_batch(x, model.config.image_size, model.config.in_chans)
@@ -197,11 +202,8 @@ def calibration_from_files(
 ) -> torch.Tensor:
     """The readable images among `images` of `paths` drawn at random (`seed`; all of them if fewer), preprocessed
     as `predict` does, as one (B, C, H, W) batch: the calibration data `vitkit predict --precision int8` uses."""
-    if images < 1:
-        raise ValueError(f"images={images}: calibrate on at least one image (a few hundred is typical).")
-    chosen = torch.randperm(len(paths), generator=torch.Generator().manual_seed(seed))[:images].sort().values
     pixels = []
-    for i in chosen.tolist():
+    for i in sorted(_calibration_draw(len(paths), images, seed)):
         with contextlib.suppress(ImageError):  # `predict` reports it, once
             pixels.append(eval_batch(read_image(paths[i]), model.config.image_size, model.config.in_chans))
     if not pixels:
