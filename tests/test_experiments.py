@@ -5,7 +5,8 @@ import json
 import pytest
 
 from vitkit.cli import main
-from vitkit.experiments import EXPERIMENTS, PRESETS, Setting, config_hash, experiment
+from vitkit.experiment_runs import config_hash, experiment
+from vitkit.experiments import EXPERIMENTS, PRESETS, Setting
 from vitkit.recipes import SMALL_MODEL_ARGS, TrainConfig
 
 
@@ -98,7 +99,8 @@ def test_a_missing_pretrained_checkpoint_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_experiments_share_the_trainings_they_have_in_common(tmp_path):
-    from vitkit.experiments import PRESETS, Setting, run_key, stand_in_checkpoint
+    from vitkit.experiment_runs import run_key, stand_in_checkpoint
+    from vitkit.experiments import PRESETS, Setting
 
     setting = Setting(PRESETS["tiny"], 1, stand_in_checkpoint(tmp_path, PRESETS["tiny"]))
     keys = {

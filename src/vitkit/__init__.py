@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and readers
     from .efficiency import count_params, flops
     from .errors import CheckpointError, ImageError
     from .evaluation import evaluate, fewshot, predict
-    from .experiments import experiment
+    from .experiment_runs import experiment
     from .inference import optimize
     from .model import VisionTransformer
     from .pretrained import list_pretrained
@@ -48,7 +48,7 @@ _LAZY = {
     "evaluate": "evaluation",
     "predict": "evaluation",
     "fewshot": "evaluation",
-    "experiment": "experiments",
+    "experiment": "experiment_runs",
     "bench": "benchmark",
 }
 

@@ -373,7 +373,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_experiment(args: argparse.Namespace) -> int:
     """Run one of the paper's experiments (resumable) and write its results JSON, table and plot."""
-    from .experiments import experiment
+    from .experiment_runs import experiment
 
     try:
         result = experiment(
