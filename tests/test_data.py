@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vitkit import data
+from vitkit import data, data_survey
 from vitkit.data import CIFAR, IDX_FILES, ShapesDataset, get_dataset, read_idx, safe_unpickle
 
 
@@ -301,7 +301,8 @@ def write_small_digits(root, per_class: int = 6, size: int = 8) -> None:
 def test_mirror_agreement_tells_digits_from_classes_that_look_alike_mirrored():
     from sklearn.datasets import load_digits
 
-    from vitkit.data import ImageArrayDataset, mirror_agreement
+    from vitkit.data import ImageArrayDataset
+    from vitkit.data_survey import mirror_agreement
 
     digits = load_digits()  # 1,797 real 8x8 digits: mirrored, most are another digit or none
     images = torch.from_numpy(np.round(digits.images * 255 / 16).astype(np.uint8))[:, None]
@@ -361,9 +362,10 @@ def test_a_data_dir_without_the_dataset_is_an_error_not_a_fallback_to_another_co
 def test_survey_tells_image_files_from_a_datasets_own_resolution(tmp_path):
     write_small_digits(tmp_path, per_class=5)
     folder = get_dataset("imagefolder", "train", data_dir=tmp_path)
-    found = data.survey("imagefolder", folder)
+    found = data_survey.survey("imagefolder", folder)
     assert found["image_size"] == [8, 8] and found["grayscale"] and not found["own_size"]
-    assert not data.survey("imagefolder", data.subset(folder, 4))["own_size"]  # still image files, held in memory
-    shapes = data.survey("shapes", get_dataset("shapes", "train", size=4, image_size=16))
+    held = data.subset(folder, 4)  # still image files, held in memory
+    assert not data_survey.survey("imagefolder", held)["own_size"]
+    shapes = data_survey.survey("shapes", get_dataset("shapes", "train", size=4, image_size=16))
     assert shapes["image_size"] == [16, 16] and not shapes["grayscale"] and shapes["own_size"]
     assert (shapes["crop_scale"], shapes["flip"]) == (ShapesDataset.crop_scale, ShapesDataset.flip)

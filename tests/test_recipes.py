@@ -145,7 +145,7 @@ def test_train_config_errors_name_the_bad_value():
 
 def image_survey(size, grayscale=False, own_size=False, data="imagefolder", augmentation=((0.05, 1.0), True),
                  mirror=None, images=10_000):  # fmt: skip
-    """What `data.survey` says of a dataset, written out."""
+    """What `data_survey.survey` says of a dataset, written out."""
     return {"data": data, "image_size": list(size), "grayscale": grayscale, "images": images, "own_size": own_size,
             "crop_scale": augmentation[0], "flip": augmentation[1], "mirror": mirror}  # fmt: skip
 

@@ -273,7 +273,8 @@ def every_dataset(tmp_path) -> dict[str, dict]:
 
 
 def test_every_dataset_gets_a_model_that_fits_it_from_its_name_alone(tmp_path):
-    from vitkit.data import survey, to_input
+    from vitkit.data import to_input
+    from vitkit.data_survey import survey
     from vitkit.recipes import fit_to_data
 
     for name, kwargs in every_dataset(tmp_path).items():
@@ -313,10 +314,10 @@ def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_record
     tmp_path, capsys, monkeypatch
 ):
     from test_data import write_small_digits
-    from vitkit import data
+    from vitkit import data_survey
 
     mirror_tests = []  # the mirror test reads a thousand images: once a run, and not at all for a flip given
-    monkeypatch.setattr(data, "mirror_agreement", lambda *a, **k: mirror_tests.append(1) or 0.0)
+    monkeypatch.setattr(data_survey, "mirror_agreement", lambda *a, **k: mirror_tests.append(1) or 0.0)
     write_small_digits(tmp_path / "digits")
     run = tmp_path / "run"
     argv = ["train", "--data", str(tmp_path / "digits"), "--steps", "2", "--batch-size", "4", "--out-dir", str(run)]

@@ -329,7 +329,7 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.class_names: list[str] | None = None
-        self.trained_on: dict | None = None  # what it was trained on (`data.describe`), saved by vitkit
+        self.trained_on: dict | None = None  # what it was trained on (`data_survey.describe`), saved by vitkit
         dim = config.hidden_size
         # Hybrid: the patches are taken from a ResNet feature map instead of the image (Sec. 3.1).
         self.stem = ResNetStem(config.hybrid, config.in_chans) if config.hybrid else None

@@ -97,8 +97,9 @@ PHOTO_SIZE = 224  # larger image files: the paper's resolution, inception crop a
 PHOTO_AUGMENTATION = ((0.05, 1.0), True)
 SMALL_CROP = (1.0, 1.0)  # a crop of an 8 px digit is another digit, or none
 # Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
-# of a nearest-class-mean classifier's accuracy (`data.mirror_agreement`). Digits keep about half or less, and a flip
-# costs them points; clothes and animal silhouettes keep nearly all, and a flip gains them points (docs/OWN_IMAGES.md).
+# of a nearest-class-mean classifier's accuracy (`data_survey.mirror_agreement`). Digits keep about half or less, and a
+# flip costs them points; clothes and animal silhouettes keep nearly all, and a flip gains them points
+# (docs/OWN_IMAGES.md).
 MIRROR_FLIP = 0.7
 # The batch: this many images, or for a small training split the largest power of two that still makes
 # `MIN_BATCHES` batches an epoch. At the default learning rate, 50 to 300 digits learnt most at that size; smaller
@@ -136,7 +137,7 @@ def _fitting_size(model: str, model_args: dict[str, Any], size: int) -> int:
 
 
 def fit_to_data(config: TrainConfig, survey: dict[str, Any], multiple: int = 1) -> tuple[TrainConfig, str]:
-    """The config with its data-dependent defaults (None) chosen for the images `data.survey` describes, and one
+    """The config with its data-dependent defaults (None) chosen for the images `data_survey.survey` describes, and one
     line saying what was chosen and why. An option given (not None) is kept as it is.
 
     - A dataset that makes its images at one size (Fashion-MNIST, CIFAR, shapes): that size, its own augmentation.

@@ -89,7 +89,7 @@ class ResNetClassifier(nn.Module):
         super().__init__()
         self.config = config
         self.class_names: list[str] | None = None
-        self.trained_on: dict | None = None  # what it was trained on (`data.describe`), saved by vitkit
+        self.trained_on: dict | None = None  # what it was trained on (`data_survey.describe`), saved by vitkit
         self.body = ResNetStem(config.stem, config.in_chans)
         dim = self.body.out_channels
         self.head = nn.Linear(dim, config.num_classes) if config.num_classes else nn.Identity()

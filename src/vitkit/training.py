@@ -33,7 +33,8 @@ from .architectures import Model, check_overrides, config_from_dict, model_from_
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_checkpoint
 from .config import ViTConfig
-from .data import dataset_augmentation, describe, get_dataset, locate, subset, survey
+from .data import dataset_augmentation, get_dataset, locate, subset
+from .data_survey import describe, survey
 from .distributed import (
     World,
     all_gather_tensors,
