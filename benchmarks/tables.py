@@ -455,6 +455,44 @@ def own_images_batch(records: list[dict]) -> str:
     return markdown(head, rows, right=len(batches) + 1)
 
 
+def own_images_finetune(records: list[dict]) -> str:
+    """benchmarks/own_images.py --finetune: a checkpoint fine-tuned on small images at several resolutions, each
+    run the same steps; per dataset and resolution every seed's latest run: the mean test top-1 (the range over
+    seeds), the median wall time and the largest peak memory. The defaults of the newest records in bold; a run with
+    the defaults of a record from before them is marked so."""
+    finetune = sorted((r for r in records if r.get("benchmark") == "own-images-finetune"), key=lambda r: str(r["date"]))
+    rows = []
+    for dataset in dict.fromkeys(r["dataset"] for r in finetune):
+        ours = [r for r in finetune if r["dataset"] == dataset]
+        newest = next(r for r in reversed(ours) if "defaults" in r["runs"])["runs"]["defaults"]["chosen"]
+        groups: dict[tuple[str, str], dict[int, dict]] = {}
+        for record in ours:
+            for name, run in record["runs"].items():
+                size = run.get("image_size", [None])[0]
+                if size is None and "--image-size" in run["args"]:
+                    size = int(run["args"][run["args"].index("--image-size") + 1])
+                resolution = "the checkpoint's own" if size is None else f"{size} px"
+                if name != "defaults":
+                    options = f"`--image-size {size}`"
+                else:
+                    options = "defaults" if run["chosen"] == newest else "the defaults of an earlier version"
+                groups.setdefault((resolution, options), {})[record.get("seed", 0)] = run
+        for (resolution, options), seeds in groups.items():
+            top1 = [100 * run["test_top1"] for run in seeds.values()]
+            accuracy = f"{statistics.mean(top1):.2f}%"
+            if len(top1) > 1:
+                accuracy += f" ({min(top1):.1f}-{max(top1):.1f})"
+            if options == "defaults":
+                options, accuracy = "**defaults**", f"**{accuracy}**"
+            seconds = statistics.median(run["seconds"] for run in seeds.values())
+            memory = max(run.get("peak_rss_gib", 0.0) for run in seeds.values())
+            rows.append([dataset, resolution, options, accuracy, str(len(seeds)), f"{seconds:.0f} s",
+                         f"{memory:.1f} GiB" if memory else "-"])  # fmt: skip
+    rows.sort(key=lambda row: (row[0], int(row[1].split()[0]) if row[1][0].isdigit() else 10**6))
+    head = ["data", "resolution", "options", "test top-1", "seeds", "wall time", "peak memory"]
+    return markdown(head, rows, right=4)
+
+
 PEER_GRAPH = "ONNX, variable (the peer)"
 
 
@@ -526,6 +564,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "own-images-digits": own_images("digits"),
     "own-images-batch": own_images_batch,
     "own-images-animal-mnist": own_images("animal-mnist"),
+    "own-images-finetune": own_images_finetune,
     "deploy": deploy,
     "deploy-int8": deploy_int8,
     "runtimes": runtimes,
