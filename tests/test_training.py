@@ -121,6 +121,21 @@ def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_p
     assert tuned.head.weight.any() and torch.equal(tuned.blocks[0].attn.qkv.weight, base.blocks[0].attn.qkv.weight)
 
 
+def test_fine_tuning_a_224_px_checkpoint_on_small_images_runs_it_at_128_px(tmp_path, capsys):
+    base = vitkit.create_model("ViT-Ti/16", image_size=224, num_classes=5, **TINY)
+    vitkit.export(base, tmp_path / "base.safetensors")
+    config = shapes_config(tmp_path / "run", checkpoint=str(tmp_path / "base.safetensors"), model_args={}, steps=1,
+                           trainable="head")  # fmt: skip
+    train(config)
+    assert "-> the checkpoint at 128 px; crop 0.3-1 (given)" in capsys.readouterr().out  # 16 px shapes
+    tuned = vitkit.load_checkpoint(tmp_path / "run" / "model.safetensors")
+    assert tuned.config.image_size == (128, 128)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["image_size"] == 128
+    # The posemb (frozen here) resampled as loading the checkpoint at 128 px resamples it.
+    expected = vitkit.load_checkpoint(tmp_path / "base.safetensors", image_size=128).posemb.weight
+    assert torch.equal(tuned.posemb.weight, expected)
+
+
 def test_a_checkpoint_of_another_architecture_than_model_args_names_the_fields_that_differ(tmp_path):
     base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)  # hidden 16, 2 layers, 2 heads
     vitkit.export(base, tmp_path / "base.safetensors")

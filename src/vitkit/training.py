@@ -123,32 +123,45 @@ def load_datasets(config: TrainConfig):
     return train_set, get_dataset(config.data, "test", strict=config.strict, **kwargs)
 
 
-def initial_model(config: TrainConfig, dataset) -> Model:
+def checkpoint_model(config: TrainConfig, image_size: int | None = None) -> Model:
+    """The fine-tuning checkpoint at `image_size` (None: its own), refused where `model_args` ask for another
+    architecture than its weights have."""
+    structural = {k: v for k, v in config.model_args.items() if k in ARCHITECTURE_FIELDS}
+    others = {k: v for k, v in config.model_args.items() if k not in ARCHITECTURE_FIELDS}
+    model = load_checkpoint(str(config.checkpoint), image_size=image_size, **others)
+    # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
+    # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
+    asked = dataclasses.replace(model.config, **structural)
+    differ = [
+        f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}"
+        for k in sorted(structural)
+        if getattr(model.config, k) != getattr(asked, k)
+    ]
+    if differ:
+        raise ValueError(
+            f"checkpoint {config.checkpoint} is another architecture than model_args ask for: {', '.join(differ)} "
+            "(checkpoint != asked). With a checkpoint give only overrides without weights (e.g. "
+            "drop_path_rate); `vitkit finetune` clears model_args."
+        )
+    return model
+
+
+def initial_model(config: TrainConfig, dataset, base: Model | None = None) -> Model:
     """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
     the new resolution, a new zero-initialised head). The config's data-dependent defaults are fitted to the
-    dataset first (`recipes.fit_to_data`; nothing to do for a config that `train` has fitted)."""
-    config = fit_to_data(config, survey(config.data, dataset, mirror=config.flip is None))[0]
+    dataset first (`recipes.fit_to_data`; nothing to do for a config that `train` has fitted). `base`: the
+    checkpoint as `checkpoint_model` loaded it for `config` (it is loaded here otherwise)."""
+    seen = survey(config.data, dataset, mirror=config.flip is None)
     num_classes = len(dataset.classes)
     if config.checkpoint is not None:
-        structural = {k: v for k, v in config.model_args.items() if k in ARCHITECTURE_FIELDS}
-        others = {k: v for k, v in config.model_args.items() if k not in ARCHITECTURE_FIELDS}
-        model = load_checkpoint(config.checkpoint, image_size=config.image_size, **others)
-        # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
-        # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
-        asked = dataclasses.replace(model.config, **structural)
-        differ = [
-            f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}"
-            for k in sorted(structural)
-            if getattr(model.config, k) != getattr(asked, k)
-        ]
-        if differ:
-            raise ValueError(
-                f"checkpoint {config.checkpoint} is another architecture than model_args ask for: {', '.join(differ)} "
-                "(checkpoint != asked). With a checkpoint give only overrides without weights (e.g. "
-                "drop_path_rate); `vitkit finetune` clears model_args."
-            )
+        base = checkpoint_model(config, config.image_size) if base is None else base
+        config = fit_to_data(config, seen, checkpoint=base.config)[0]
+        model = base
+        if config.image_size is not None and base.config.image_size != (config.image_size, config.image_size):
+            model = checkpoint_model(config, config.image_size)  # loaded again: each format resamples its own posemb
         model.reset_head(num_classes)
     else:
+        config = fit_to_data(config, seen)[0]
         model = new_model(str(config.model), image_size=config.image_size, num_classes=num_classes, **config.model_args)
     model.class_names = list(dataset.classes)
     return model
@@ -248,12 +261,16 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
         check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
     torch.manual_seed(config.seed)
     train_set, test_set = load_datasets(config)
+    base = None  # the checkpoint to fine-tune, whose resolution and patch the fitted resolution depends on
     if saved is None:  # what config.json records: the model, resolution, augmentation and batch for this data
+        if config.checkpoint is not None:
+            base = checkpoint_model(config, config.image_size)
         seen = survey(config.data, train_set, mirror=config.flip is None)
-        config, chosen = fit_to_data(config, seen, multiple=world.size * config.accumulation_steps)
+        multiple = world.size * config.accumulation_steps
+        config, chosen = fit_to_data(config, seen, multiple, checkpoint=None if base is None else base.config)
         if world.is_main:
             print(chosen, flush=True)
-    model = initial_model(config, train_set) if saved is None else saved_model(saved, train_set)
+    model = initial_model(config, train_set, base) if saved is None else saved_model(saved, train_set)
     model.trained_on = describe(config.data, train_set)
     learning = set_trainable(model, config.trainable)
     if isinstance(model, VisionTransformer):  # the ResNet baseline has no blocks to recompute
