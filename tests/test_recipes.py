@@ -221,7 +221,7 @@ def test_every_option_given_wins_over_the_fitted_one():
     # A model given with the resolution left free: the nearest resolution its patch stride divides.
     assert fit_to_data(TrainConfig(model="ViT-Ti/7"), image_survey((64, 64), own_size=True))[0].image_size == 63
     assert fit_to_data(TrainConfig(image_size=40), image_survey((8, 8)))[0].model == "ViT-Ti/10"
-    # A checkpoint keeps its own model and, unless given, its resolution (where it is not known: see below).
+    # A checkpoint whose config is not known keeps its own model and, unless given, its resolution.
     tuned = fit_to_data(TrainConfig(checkpoint="base.safetensors"), image_survey((8, 8)))[0]
     assert tuned.model is None and tuned.image_size is None and tuned.crop_scale == (1.0, 1.0)
 
