@@ -4,6 +4,7 @@ writes one."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from functools import partial
@@ -119,6 +120,46 @@ def load_checkpoint(
     ):
         raise CheckpointError(path, f"class names must be {model.config.num_classes} strings.", key="class_names")
     return adapt(model, image_size, num_classes)
+
+
+# ViTConfig fields the weights decide: a fine-tuning run's model_args may not ask for other values of them.
+ARCHITECTURE_FIELDS = {
+    "hidden_size",
+    "num_layers",
+    "mlp_dim",
+    "num_heads",
+    "patch_size",
+    "classifier",
+    "posemb",
+    "in_chans",
+    "hybrid",
+    "representation_size",
+    "qkv_bias",
+    "layer_scale_init",
+}
+
+
+def load_for_finetuning(path: str, model_args: dict, image_size: int | None = None) -> Model:
+    """The checkpoint to fine-tune at `image_size` (None: its own), with the `model_args` its file does not record
+    (e.g. drop_path_rate); refused where `model_args` ask for another architecture than its weights have."""
+    structural = {k: v for k, v in model_args.items() if k in ARCHITECTURE_FIELDS}
+    others = {k: v for k, v in model_args.items() if k not in ARCHITECTURE_FIELDS}
+    model = load_checkpoint(path, image_size=image_size, **others)
+    # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
+    # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
+    asked = dataclasses.replace(model.config, **structural)
+    differ = [
+        f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}"
+        for k in sorted(structural)
+        if getattr(model.config, k) != getattr(asked, k)
+    ]
+    if differ:
+        raise ValueError(
+            f"checkpoint {path} is another architecture than model_args ask for: {', '.join(differ)} "
+            "(checkpoint != asked). With a checkpoint give only overrides without weights (e.g. "
+            "drop_path_rate); `vitkit finetune` clears model_args."
+        )
+    return model
 
 
 def load_pretrained(

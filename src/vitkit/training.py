@@ -14,7 +14,6 @@ torch.distributed.checkpoint, which resumes with any number of processes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 from .architectures import Model, check_overrides, config_from_dict, model_from_config, new_model
 from .augment import AugmentConfig, random_draws, train_batch
-from .checkpoints import export, load_checkpoint
+from .checkpoints import export, load_for_finetuning
 from .config import ViTConfig
 from .data import dataset_augmentation, get_dataset, locate, subset
 from .data_survey import describe, survey
@@ -80,20 +79,6 @@ from .shards import ShardedDataset, check_data_order
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
 MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]  # (uint8 images, labels)
-ARCHITECTURE_FIELDS = {
-    "hidden_size",
-    "num_layers",
-    "mlp_dim",
-    "num_heads",
-    "patch_size",
-    "classifier",
-    "posemb",
-    "in_chans",
-    "hybrid",
-    "representation_size",
-    "qkv_bias",
-    "layer_scale_init",
-}
 
 
 @dataclass(frozen=True)
@@ -123,42 +108,21 @@ def load_datasets(config: TrainConfig):
     return train_set, get_dataset(config.data, "test", strict=config.strict, **kwargs)
 
 
-def checkpoint_model(config: TrainConfig, image_size: int | None = None) -> Model:
-    """The fine-tuning checkpoint at `image_size` (None: its own), refused where `model_args` ask for another
-    architecture than its weights have."""
-    structural = {k: v for k, v in config.model_args.items() if k in ARCHITECTURE_FIELDS}
-    others = {k: v for k, v in config.model_args.items() if k not in ARCHITECTURE_FIELDS}
-    model = load_checkpoint(str(config.checkpoint), image_size=image_size, **others)
-    # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
-    # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
-    asked = dataclasses.replace(model.config, **structural)
-    differ = [
-        f"{k} {getattr(model.config, k)!r} != {getattr(asked, k)!r}"
-        for k in sorted(structural)
-        if getattr(model.config, k) != getattr(asked, k)
-    ]
-    if differ:
-        raise ValueError(
-            f"checkpoint {config.checkpoint} is another architecture than model_args ask for: {', '.join(differ)} "
-            "(checkpoint != asked). With a checkpoint give only overrides without weights (e.g. "
-            "drop_path_rate); `vitkit finetune` clears model_args."
-        )
-    return model
-
-
 def initial_model(config: TrainConfig, dataset, base: Model | None = None) -> Model:
     """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
     the new resolution, a new zero-initialised head). The config's data-dependent defaults are fitted to the
     dataset first (`recipes.fit_to_data`; nothing to do for a config that `train` has fitted). `base`: the
-    checkpoint as `checkpoint_model` loaded it for `config` (it is loaded here otherwise)."""
+    checkpoint as `checkpoints.load_for_finetuning` loaded it for `config` (it is loaded here otherwise)."""
     seen = survey(config.data, dataset, mirror=config.flip is None)
     num_classes = len(dataset.classes)
     if config.checkpoint is not None:
-        base = checkpoint_model(config, config.image_size) if base is None else base
+        if base is None:
+            base = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
         config = fit_to_data(config, seen, checkpoint=base.config)[0]
         model = base
         if config.image_size is not None and base.config.image_size != (config.image_size, config.image_size):
-            model = checkpoint_model(config, config.image_size)  # loaded again: each format resamples its own posemb
+            # Loaded again at the fitted size: each format resamples its own posemb.
+            model = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
         model.reset_head(num_classes)
     else:
         config = fit_to_data(config, seen)[0]
@@ -264,7 +228,7 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     base = None  # the checkpoint to fine-tune, whose resolution and patch the fitted resolution depends on
     if saved is None:  # what config.json records: the model, resolution, augmentation and batch for this data
         if config.checkpoint is not None:
-            base = checkpoint_model(config, config.image_size)
+            base = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
         seen = survey(config.data, train_set, mirror=config.flip is None)
         multiple = world.size * config.accumulation_steps
         config, chosen = fit_to_data(config, seen, multiple, checkpoint=None if base is None else base.config)
