@@ -141,17 +141,12 @@ def _fitting_size(model: str, model_args: dict[str, Any], size: int) -> int:
 
 
 def finetune_size(checkpoint: ViTConfig) -> int | None:
-    """The resolution a ViT checkpoint (its config) is fine-tuned at on small images: the one nearest to
-    `FINETUNE_SMALL_SIZE` that its patch stride divides, or None (its own) where its own is not larger."""
+    """The resolution a ViT checkpoint (its config) is fine-tuned at on small images: the multiple of its patch
+    stride nearest to `FINETUNE_SMALL_SIZE`, or None (its own) where its own is not larger."""
     if max(checkpoint.image_size) <= FINETUNE_SMALL_SIZE:
         return None
-    for candidate in sorted(range(1, max(checkpoint.image_size)), key=lambda n: (abs(n - FINETUNE_SMALL_SIZE), -n)):
-        try:
-            checkpoint.replace(image_size=candidate)
-            return candidate
-        except ValueError:
-            continue
-    return None
+    step = math.lcm(*checkpoint.patch_stride)
+    return max(round(FINETUNE_SMALL_SIZE / step), 1) * step
 
 
 def fit_to_data(
