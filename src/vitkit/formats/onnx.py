@@ -32,8 +32,9 @@ def detect(path: str | os.PathLike) -> bool:
 
 
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
-    """The model `export` wrote (its recorded config, head and class names); or the ViT backbone of another ONNX
-    graph (headless: `num_classes=0`), at `image_size` (default: the graph's)."""
+    """The model `export` wrote (its recorded config, head and class names); or the ViT of another ONNX graph,
+    with its linear head where it has one (else headless: `num_classes=0`), at `image_size` (default: the
+    graph's)."""
     try:
         import onnx
     except ImportError as e:
@@ -49,13 +50,16 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     p = parse(model, path)
     hidden = p.tensors["embedding.weight"].shape[0]
     table = p.tensors["posemb.weight"]
-    side = math.isqrt(table.shape[1] - 1)
+    prefix = int(p.classifier == "token")
+    side = math.isqrt(table.shape[1] - prefix)
     size = image_size or p.image_size or (side * p.patch[0], side * p.patch[1])
     inferred = dict(
         image_size=size,
         patch_size=p.patch,
         in_chans=p.tensors["embedding.weight"].shape[1],
-        num_classes=0,
+        num_classes=p.num_classes,
+        classifier=p.classifier,
+        representation_size=p.representation_size,
         hidden_size=hidden,
         num_layers=p.layers,
         num_heads=p.heads,
@@ -70,8 +74,8 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
         supported = p.resize["coordinates"] in ("half_pixel", "pytorch_half_pixel")
         if mode is None or not supported or (mode == "bicubic" and p.resize["cubic_coeff_a"] != -0.75):
             raise ValueError(f"{path}: the graph resamples its posemb with an unsupported Resize {p.resize}.")
-        table = interpolated_posemb(table, 1, config.grid_size, mode, p.resize["antialias"])
-    elif side * side == table.shape[1] - 1 and (side, side) != config.grid_size:
+        table = interpolated_posemb(table, prefix, config.grid_size, mode, p.resize["antialias"])
+    elif side * side == table.shape[1] - prefix and (side, side) != config.grid_size:
         config, wanted = config.replace(image_size=(side * p.patch[0], side * p.patch[1])), config.image_size
         vit = model_from_rules(config, [rename(k, k) for k in p.tensors], p.tensors, path, NAME)
         vit.set_image_size(wanted)

@@ -17,6 +17,7 @@ import math
 import os
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,52 @@ import torch
 from ..errors import CheckpointError
 from .common import Tensors, _listing
 
-PASS_THROUGH = {"Reshape", "Transpose", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Mul", "Div"}
+PASS_THROUGH = {"Reshape", "Transpose", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Mul", "Div", "Add"}
+
+
+def _squeeze(node, x, axes=None):
+    axes = _attr(node, "axes") if axes is None else axes
+    return np.squeeze(x, tuple(int(a) for a in np.ravel(axes))) if axes is not None else np.squeeze(x)
+
+
+def _unsqueeze(node, x, axes=None):
+    axes = _attr(node, "axes") if axes is None else axes
+    return np.expand_dims(x, tuple(int(a) for a in np.ravel(axes)))
+
+
+def _slice(node, x, starts, ends, axes=None, steps=None):
+    axes = range(len(starts)) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    index = [slice(None)] * x.ndim
+    for a, start, end, step in zip(axes, starts, ends, steps, strict=True):
+        index[int(a)] = slice(int(start), int(end), int(step))
+    return x[tuple(index)]
+
+
+def _cast(node, x):
+    from onnx import helper
+
+    return x.astype(helper.tensor_dtype_to_np_dtype(_attr(node, "to")))
+
+
+# The operators `Graph.value` computes, on numpy arrays (inputs in the node's order; a missing one is None).
+FOLDABLE: dict[str, Callable[..., Any]] = {
+    "Identity": lambda node, x: x,
+    "Cast": _cast,
+    "Sqrt": lambda node, x: np.sqrt(x) if np.all(x >= 0) else None,
+    "Reciprocal": lambda node, x: 1 / x,
+    "Mul": lambda node, x, y: x * y,
+    "Div": lambda node, x, y: x / y,
+    "Pow": lambda node, x, y: np.power(x, y),
+    "Squeeze": _squeeze,
+    "Unsqueeze": _unsqueeze,
+    "Slice": _slice,
+    "Gather": lambda node, x, i: np.take(x, i, axis=_attr(node, "axis", 0)),
+    "Where": lambda node, c, x, y: np.where(c, x, y),
+    # Broadcast to a shape the batch leaves open: the values, unbroadcast, are all any use here reads.
+    "Expand": lambda node, x, shape: x,
+    "Concat": lambda node, *xs: np.concatenate([np.ravel(x) for x in xs]) if _attr(node, "axis", 0) == 0 else None,
+}
 
 
 class Graph:
@@ -37,7 +83,8 @@ class Graph:
         from onnx import numpy_helper
 
         graph = model.graph
-        self.path = path
+        self.model, self.path = model, path
+        self._shapes: dict[str, list[int]] | None = None
         self.params: dict[Any, np.ndarray] = {}  # names as onnx gives them (untyped)
         for t in graph.initializer:
             if t.name in self.params:  # later ones would silently replace earlier ones, as in a JSON header
@@ -76,6 +123,48 @@ class Graph:
 
     def constant(self, name: str) -> np.ndarray | None:
         return self.consts.get(name, self.params.get(name))
+
+    def value(self, name: str, depth: int = 0) -> np.ndarray | None:
+        """Tensor `name`'s value where it is a constant, or computed from constants and static shapes by the few
+        operators below (the legacy exporter writes the attention scale as 1/sqrt of the query's last dimension,
+        read off its `Shape`); None where it depends on the data or on a dimension the graph leaves open."""
+        known = self.constant(name)
+        if name in self.params:  # read as an operator's constant (a scale, a mask): used, not left out
+            self.taken.add(self.origin.get(name, name))
+        node = self.producer.get(name)
+        if known is not None or node is None or depth > 16:
+            return known
+        if node.op_type == "Shape":
+            dims = self.static_shape(node.input[0])
+            return None if dims is None else np.array(dims[_attr(node, "start", 0) : _attr(node, "end")], np.int64)
+        if node.op_type not in FOLDABLE:
+            return None
+        args = []
+        for i in node.input:  # an optional input left out is "", and None to the operator
+            args.append(self.value(i, depth + 1) if i else None)
+            if i and args[-1] is None:
+                return None
+        try:
+            return FOLDABLE[node.op_type](node, *args)
+        except (TypeError, ValueError, IndexError):  # an input left open (None), or shapes that do not fit
+            return None
+
+    def static_shape(self, name: str) -> list[int] | None:
+        """Tensor `name`'s shape by ONNX shape inference; an open dimension (the batch) is -1."""
+        if self._shapes is None:
+            from onnx import shape_inference
+
+            try:
+                inferred = shape_inference.infer_shapes(self.model, data_prop=True).graph
+            except Exception:  # noqa: BLE001 - a graph onnx cannot infer shapes for leaves every shape open
+                inferred = None
+            infos = [] if inferred is None else [*inferred.value_info, *inferred.input, *inferred.output]
+            self._shapes = {
+                i.name: [d.dim_value if d.HasField("dim_value") else -1 for d in i.type.tensor_type.shape.dim]
+                for i in infos
+                if i.type.tensor_type.HasField("shape")
+            }
+        return self._shapes.get(name)
 
     def users(self, name: str, op: str) -> list:
         return [n for n in self.consumers[name] if n.op_type == op]
@@ -200,6 +289,9 @@ class Parsed:
     image_size: tuple[int, int] | None = None
     resize: dict | None = None  # the posemb's Resize, if the graph resamples it
     output: str = ""
+    classifier: str = "token"  # or "gap": no class token, the mean of the tokens
+    num_classes: int = 0  # 0: no head found, a backbone
+    representation_size: int | None = None
 
 
 def _linear(g: Graph, matmul, path) -> Linear:
@@ -248,22 +340,40 @@ def _follow(g: Graph, name: str, stop: set[str]) -> tuple[Any, int, float]:
     the input slot it is reached at, and the product of the scalar factors on the way."""
     scale = 1.0
     for _ in range(16):
-        nodes = [n for n in g.consumers[name] if n.op_type not in ("Shape",)]
+        nodes = [n for n in g.consumers[name] if n.op_type != "Shape" and not _nan_check(g, n, name)]
         hit = [n for n in nodes if n.op_type in stop]
         if hit:
             return hit[0], list(hit[0].input).index(name), scale
-        moves = [n for n in nodes if n.op_type in PASS_THROUGH]
+        moves = [n for n in nodes if n.op_type in PASS_THROUGH or _nan_guard(g, n, name)]
         if len(moves) != 1:
             break
         node = moves[0]
-        if node.op_type in ("Mul", "Div"):
+        if node.op_type in ("Mul", "Div", "Add"):
             other = next((i for i in node.input if i != name), None)
-            factor = None if other is None else g.constant(other)
-            if factor is None or np.size(factor) != 1:
+            factor = None if other is None else g.value(other)
+            if node.op_type == "Add":  # an attention mask of zeros, as the dynamo exporter writes SDPA's
+                if factor is None or np.any(factor != 0):
+                    break
+            elif factor is None or np.size(factor) != 1 or (node.op_type == "Div" and node.input[0] != name):
                 break
-            scale *= float(factor) if node.op_type == "Mul" else 1.0 / float(factor)
+            else:
+                scale *= float(np.ravel(factor)[0]) ** (1 if node.op_type == "Mul" else -1)
         name = node.output[0]
     return None, -1, scale
+
+
+def _nan_check(g: Graph, node, name: str) -> bool:
+    """An `IsNaN` of `name` whose only use is a `_nan_guard` of it."""
+    users = g.consumers[node.output[0]]
+    return node.op_type == "IsNaN" and bool(users) and all(_nan_guard(g, u, name) for u in users)
+
+
+def _nan_guard(g: Graph, node, name: str) -> bool:
+    """`Where(IsNaN(x), constant, x)`: the dynamo exporter's guard after a softmax, the identity for finite x."""
+    if node.op_type != "Where" or node.input[2] != name:
+        return False
+    check = g.producer.get(node.input[0])
+    return check is not None and check.op_type == "IsNaN" and check.input[0] == name
 
 
 def _heads(g: Graph, name: str, hidden: int) -> int | None:
@@ -295,6 +405,45 @@ def _heads(g: Graph, name: str, hidden: int) -> int | None:
     return None
 
 
+def _qkv_split(g: Graph, qkv: str) -> tuple[list[tuple[str, int]], int] | None:
+    """Where tensor `qkv` (B, N, 3D) is reshaped to (B, N, 3, heads, head_dim) and split in three along the
+    axis of 3 (after a transpose, if any): each piece's tensor and its chunk of the 3D features (0, 1, 2), and
+    the number of heads. None for any other use of `qkv`."""
+    reshape = g.users(qkv, "Reshape")
+    shape = None if len(reshape) != 1 else g.value(reshape[0].input[1])
+    if shape is None or len(shape) < 3 or shape[-3] != 3:
+        return None
+    heads, axis, name = int(shape[-2]), len(shape) - 3, reshape[0].output[0]
+    transpose = g.users(name, "Transpose")
+    if transpose:
+        perm = list(_attr(transpose[0], "perm", []))
+        if axis not in perm:
+            return None
+        axis, name = perm.index(axis), transpose[0].output[0]
+    pieces = []
+    for node in g.consumers[name]:
+        if node.op_type == "Split" and len(node.output) == 3 and _attr(node, "axis", 0) in (axis, axis - len(shape)):
+            pieces += [(out, k) for k, out in enumerate(node.output)]
+        elif node.op_type in ("Gather", "Slice"):  # one index, or a slice k:k+1, along the axis of 3
+            index = g.value(node.input[1])
+            on = _attr(node, "axis", 0)
+            if node.op_type == "Slice":
+                axes, ends = (g.value(node.input[j]) if len(node.input) > j else None for j in (3, 2))
+                single = index is not None and ends is not None and np.ravel(ends)[0] == np.ravel(index)[0] + 1
+                on = int(np.ravel(axes)[0]) if single and axes is not None and np.size(axes) == 1 else None
+            if index is not None and np.size(index) == 1 and on in (axis, axis - len(shape)):
+                pieces.append((node.output[0], int(np.ravel(index)[0])))
+        elif node.op_type != "Shape":
+            return None
+    return (pieces, heads) if sorted(k for _, k in pieces) == [0, 1, 2] else None
+
+
+def _chunk(linear: Linear, k: int, n: int, out: str) -> Linear:
+    """Chunk k of n of a projection's output features, as a projection producing tensor `out`."""
+    rows = linear.weight.shape[0] // n
+    return Linear(linear.weight[k * rows : (k + 1) * rows], linear.bias[k * rows : (k + 1) * rows], out)
+
+
 def _residual_add(g: Graph, branch: str, x: str, path) -> str:
     adds = [n for n in g.users(branch, "Add") if x in n.input]
     if len(adds) != 1:
@@ -315,8 +464,12 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
     t = p.tensors
     t[f"{ours}.norm1.weight"], t[f"{ours}.norm1.bias"], p.eps, h = ln
     projs = [_linear(g, m, path) for m in _projections(g, h)]
+    fused = _qkv_split(g, projs[0].out) if len(projs) == 1 else None
+    if fused is not None:  # one projection of width 3D, split into q, k, v (timm's and vitkit's own layout)
+        pieces, p.heads = fused
+        projs = [_chunk(projs[0], k, 3, out) for out, k in pieces]
     if len(projs) != 3:
-        raise _fail(path, f"block {i}: {len(projs)} projections read the LayerNorm, expected separate q, k, v")
+        raise _fail(path, f"block {i}: {len(projs)} projections read the LayerNorm, expected q, k and v")
     role: dict[str, tuple[Linear, float]] = {}
     for proj in projs:
         node, slot, scale = _follow(g, proj.out, {"MatMul"})
@@ -330,7 +483,7 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
     if set(role) != {"q", "k", "v"}:
         raise _fail(path, f"block {i}: found {sorted(role)} among the attention inputs")
     hidden = role["q"][0].weight.shape[0]
-    p.heads = _heads(g, role["q"][0].out, hidden) or p.heads
+    p.heads = (fused and p.heads) or _heads(g, role["q"][0].out, hidden) or p.heads
     if not p.heads:
         raise _fail(path, f"block {i}: cannot read the number of heads from the query's Reshape")
     scores, _, _ = _follow(g, role["q"][0].out, {"MatMul"})
@@ -369,20 +522,33 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
 
 
 def _follow_any(g: Graph, name: str, p: Parsed, i: int, path):
-    """Through the activation (any ops) to the next MatMul with a weight; the ops seen decide the GELU kind."""
-    seen: set[str] = set()
-    frontier = [name]
+    """Through the activation (any ops) to the next MatMul with a weight; the ops between the two decide the
+    GELU kind (every op on every path: the tanh form's shortest path, 0.5 x times the rest, has no Tanh)."""
+    frontier, inside, fc2 = [name], set(), None  # inside: the tensors computed from `name` before the MatMul
     for _ in range(32):
         nodes = [n for f in frontier for n in g.consumers[f]]
-        for n in nodes:
-            if n.op_type == "MatMul" and g.param_input(n):
-                p.act = "gelu" if "Erf" in seen else "gelu_tanh" if "Tanh" in seen else ""
-                if not p.act:
-                    raise _fail(path, f"block {i}: MLP activation made of {sorted(seen)} is not a GELU")
-                return n, 0, 1.0
-        seen |= {n.op_type for n in nodes}
-        frontier = [n.output[0] for n in nodes]
-    raise _fail(path, f"block {i}: no second MLP layer")
+        fc2 = fc2 or next((n for n in nodes if n.op_type == "MatMul" and g.param_input(n)), None)
+        frontier = [n.output[0] for n in nodes if not (n.op_type == "MatMul" and g.param_input(n))]
+        frontier = [f for f in frontier if f not in inside]
+        inside.update(frontier)
+    if fc2 is None:
+        raise _fail(path, f"block {i}: no second MLP layer")
+    seen, stack = set(), [fc2.input[0]]
+    while stack:  # back from the MatMul's input, within what `name` computes
+        tensor = stack.pop()
+        if tensor in inside:
+            inside.discard(tensor)
+            node = g.producer[tensor]
+            seen.add(_gelu_form(node) if node.op_type == "Gelu" else node.op_type)  # opset 20's own Gelu
+            stack += list(node.input)
+    p.act = "gelu" if "Erf" in seen else "gelu_tanh" if "Tanh" in seen else ""
+    if not p.act:
+        raise _fail(path, f"block {i}: MLP activation made of {sorted(seen)} is not a GELU")
+    return fc2, 0, 1.0
+
+
+def _gelu_form(node) -> str:
+    return "Tanh" if _attr(node, "approximate", "none") == "tanh" else "Erf"
 
 
 def _embedding(g: Graph, p: Parsed, path) -> str:
@@ -405,15 +571,24 @@ def _embedding(g: Graph, p: Parsed, path) -> str:
         raise _fail(path, f"patch Conv with kernel {kernel}, strides {strides}: patches must not overlap")
     p.patch = kernel
     p.tensors["embedding.weight"] = g.param(conv.input[1])
-    p.tensors["embedding.bias"] = g.param(conv.input[2]) if len(conv.input) > 2 else torch.zeros(kernel[0])
-    concat, _, _ = _follow(g, conv.output[0], {"Concat"})
-    if concat is None:
-        raise _fail(path, "no class token is concatenated before the patch tokens")
-    p.tensors["cls_token"] = g.param(_root_param(g, concat.input[0], path))
-    adds = g.users(concat.output[0], "Add")
-    if len(adds) != 1:
-        raise _fail(path, "no position embedding is added to the tokens")
-    posemb = next((i for i in adds[0].input if i != concat.output[0]), None)
+    width = p.tensors["embedding.weight"].shape[0]
+    p.tensors["embedding.bias"] = g.param(conv.input[2]) if len(conv.input) > 2 else torch.zeros(width)
+    tokens, slot, _ = _follow(g, conv.output[0], {"Concat", "Add"})
+    if tokens is None:
+        raise _fail(path, "neither a class token nor a position embedding follows the patch embedding")
+    if tokens.op_type == "Concat":
+        cls = g.param(_root_param(g, tokens.input[0], path))
+        if cls.ndim == 3 and len(cls) > 1 and torch.equal(cls, cls[:1].expand_as(cls)):
+            cls = cls[:1]  # expanded to a batch size the graph was exported with
+        p.tensors["cls_token"] = cls
+        stream, adds = tokens.output[0], g.users(tokens.output[0], "Add")
+        if len(adds) != 1:
+            raise _fail(path, "no position embedding is added to the tokens")
+        tokens = adds[0]
+    else:
+        p.classifier = "gap"  # no class token: the head can only read the mean of the tokens
+        stream = tokens.input[slot]
+    posemb = next((i for i in tokens.input if i != stream), None)
     if posemb is None:
         raise _fail(path, "the tokens are added to themselves, not to a position embedding")
     if posemb in g.params:
@@ -429,7 +604,7 @@ def _embedding(g: Graph, p: Parsed, path) -> str:
     shape = [d.dim_value for d in g.input.type.tensor_type.shape.dim][2:]
     if len(shape) == 2 and all(shape):
         p.image_size = (shape[0], shape[1])
-    return adds[0].output[0]
+    return tokens.output[0]
 
 
 def _root_param(g: Graph, name: str, path) -> str:
@@ -467,13 +642,23 @@ def _find_resize(g: Graph, name: str) -> dict | None:
     return None
 
 
+def _is_block(g: Graph, h: str) -> bool:
+    """Whether LayerNorm output `h` feeds an attention: three projections, or one that is split into three."""
+    found = _projections(g, h)
+    if len(found) != 1:
+        return len(found) == 3
+    out = found[0].output[0]
+    adds = g.users(out, "Add")
+    return any(_qkv_split(g, name) is not None for name in [out, *(a.output[0] for a in adds)])
+
+
 def parse(model, path) -> Parsed:
     """Follow the graph `model` (an `onnx.ModelProto`) from the image to the backbone's final LayerNorm."""
     g = Graph(model, path)
     p = Parsed()
     x = _embedding(g, p, path)
     ln = _layer_norm(g, x, path)
-    while len(_projections(g, ln[3])) == 3:
+    while _is_block(g, ln[3]):
         x = _block(g, p, p.layers, x, ln, path)
         p.layers += 1
         ln = _layer_norm(g, x, path)
@@ -481,12 +666,85 @@ def parse(model, path) -> Parsed:
         raise _fail(path, "no Transformer block found after the embedding")
     p.tensors["encoder_norm.weight"], p.tensors["encoder_norm.bias"], _, p.output = ln
     p.eps = float(f"{p.eps:.6g}")  # the float32 constant of the graph, e.g. 9.99999997e-07 -> 1e-06
-    left = sorted(set(g.params) - set(g.origin) - g.taken)
+    _head(g, p, p.output)
+    # Weights are floating-point tensors of at least one dimension: integer initializers are shapes and indices,
+    # 0-d ones the constants of an operator (a NaN guard's fill value).
+    left = sorted(
+        n for n in set(g.params) - set(g.origin) - g.taken if g.params[n].dtype.kind == "f" and g.params[n].ndim > 0
+    )
     if left:
         users = sorted({n.name or n.op_type for name in left for n in g.consumers[name]})
+        loaded = "the ViT and its head" if p.num_classes else "the ViT backbone only"
         warnings.warn(
-            f"{path}: loaded the ViT backbone only; left out {len(left)} initializers after its final LayerNorm "
+            f"{path}: loaded {loaded}; left out {len(left)} initializers after its final LayerNorm "
             f"({_listing(left, 8)}), read by {_listing(users, 4)}.",
             stacklevel=3,
         )
     return p
+
+
+def _head(g: Graph, p: Parsed, x: str) -> None:
+    """The classifier reading the final LayerNorm's tokens `x`, where the graph has one: the class token (token 0,
+    by `Gather` or `Slice`) or, without one, the mean of the tokens (`ReduceMean`); then a linear layer, or a
+    pre-logits layer with tanh and a linear layer. Where the graph does anything else with the tokens (ends there,
+    a decoder), nothing is set: the model is the backbone."""
+    pooled = None
+    for node in g.consumers[x]:
+        if p.classifier == "token" and node.op_type in ("Gather", "Slice") and _takes_first_token(g, node):
+            pooled = node.output[0]
+        elif p.classifier == "gap" and node.op_type == "ReduceMean":
+            axes = _attr(node, "axes") if len(node.input) < 2 else g.value(node.input[1])
+            pooled = node.output[0] if axes is not None and list(np.ravel(axes)) in ([1], [-2]) else None
+    first = pooled and _dense_after(g, pooled)
+    if first is None:
+        return
+    tanh = g.users(first[1], "Tanh")
+    second = _dense_after(g, tanh[0].output[0]) if len(tanh) == 1 and len(g.consumers[first[1]]) == 1 else None
+    if second is not None:  # a pre-logits layer (representation_size), as the official checkpoints have
+        pre = _dense(g, first[0])
+        p.tensors["pre_logits.0.weight"], p.tensors["pre_logits.0.bias"] = pre.weight, pre.bias
+        p.representation_size = pre.weight.shape[0]
+    elif tanh:  # a pooler alone (Hugging Face's ViTModel): the pre-logits layer of a headless model
+        pre = _dense(g, first[0])
+        p.tensors["pre_logits.0.weight"], p.tensors["pre_logits.0.bias"] = pre.weight, pre.bias
+        p.representation_size = pre.weight.shape[0]
+        return
+    head = _dense(g, (second or first)[0])
+    p.tensors["head.weight"], p.tensors["head.bias"] = head.weight, head.bias
+    p.num_classes = head.weight.shape[0]
+
+
+def _takes_first_token(g: Graph, node) -> bool:
+    """A `Gather` of index 0 on the token axis, or a `Slice` 0:1 of it followed by a squeeze of that axis."""
+    index = g.value(node.input[1])
+    if node.op_type == "Gather":
+        return _attr(node, "axis", 0) == 1 and index is not None and np.ndim(index) == 0 and int(index) == 0
+    ends, axes = (g.value(node.input[j]) if len(node.input) > j else None for j in (2, 3))
+    if index is None or ends is None or axes is None or list(np.ravel(axes)) != [1]:
+        return False
+    squeeze = [n for n in g.consumers[node.output[0]] if n.op_type in ("Squeeze", "Reshape", "Flatten")]
+    return int(np.ravel(index)[0]) == 0 and int(np.ravel(ends)[0]) == 1 and len(squeeze) == 1
+
+
+def _dense_after(g: Graph, name: str) -> tuple[Any, str] | None:
+    """The linear layer (a `MatMul` with a weight, its bias `Add`; or a `Gemm`) reading `name`, through squeezes
+    and casts: its node and the name of its output."""
+    node, slot, scale = _follow(g, name, {"MatMul", "Gemm"})
+    if node is None or scale != 1.0 or slot != 0 or node.input[1] not in g.params:
+        return None
+    if node.op_type == "Gemm":
+        if _attr(node, "transA", 0) or _attr(node, "alpha", 1.0) != 1.0 or _attr(node, "beta", 1.0) != 1.0:
+            return None
+        return node, node.output[0]
+    out = node.output[0]
+    adds = [n for n in g.users(out, "Add") if g.param_input(n) and g.params[g.param_input(n)].ndim == 1]
+    return node, (adds[0].output[0] if len(adds) == 1 and len(g.consumers[out]) == 1 else out)
+
+
+def _dense(g: Graph, node) -> Linear:
+    if node.op_type == "MatMul":
+        return _linear(g, node, g.path)
+    weight = g.param(node.input[1])
+    weight = weight if _attr(node, "transB", 0) else weight.T.contiguous()
+    bias = g.param(node.input[2]) if len(node.input) > 2 and node.input[2] else torch.zeros(weight.shape[0])
+    return Linear(weight, bias, node.output[0])
