@@ -19,7 +19,7 @@ from helpers import perturbed
 from vitkit import pretrained
 from vitkit.cli import main
 from vitkit.data import ShapesDataset
-from vitkit.formats import onnx_graph
+from vitkit.formats import onnx_parse
 
 onnx = pytest.importorskip("onnx", reason="the ONNX format needs the optional dependency onnx (dev extra)")
 ort = pytest.importorskip("onnxruntime", reason="the ONNX checks need the optional dependency onnxruntime")
@@ -30,7 +30,7 @@ def backbone_session(path, dynamic: bool = False):
     graph = onnx.load(str(path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        output = onnx_graph.parse(graph, path).output
+        output = onnx_parse.parse(graph, path).output
     graph.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None))
     if dynamic:  # let the image size vary: the graph computes its posemb Resize from the input's shape
         for dim, name in zip(graph.graph.input[0].type.tensor_type.shape.dim[2:], ("height", "width")):

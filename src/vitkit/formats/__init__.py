@@ -4,9 +4,9 @@ Every format is a module with the same interface: `NAME`; `detect(path) -> bool`
 from their kind, name and headers; `load(path, image_size=None, **overrides) -> VisionTransformer`; and
 `export(model, path)`. They are vitkit's own safetensors files (`vitkit`), official and big_vision `.npz`
 (`npz`), Hugging Face directories (`hf`), timm state dicts (`timm`), ONNX graphs (`onnx`: vitkit writes them for
-ONNX runtimes and reads back its own, and the backbone of other ViT graphs), and one load-only format: Hugging
-Face Dinov2Model directories (`dinov2`). `onnx_graph` is not a format: it reads the tensors of an ONNX file and
-follows a foreign ViT graph for `onnx`. `vitkit.checkpoints` is the facade.
+ONNX runtimes and reads back its own, and other ViT graphs by their structure), and one load-only format: Hugging
+Face Dinov2Model directories (`dinov2`). `onnx_graph` and `onnx_parse` are not formats: they read the tensors of
+an ONNX file and follow a foreign ViT graph for `onnx`. `vitkit.checkpoints` is the facade.
 """
 
 from __future__ import annotations

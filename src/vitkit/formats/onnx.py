@@ -1,10 +1,10 @@
-"""ONNX graphs: vitkit's own exports (`export`), read back exactly, and graphs of ViT backbones from elsewhere
-(plain ViT or DINOv2-style), read with the `onnx` package, backbone only.
+"""ONNX graphs: vitkit's own exports (`export`), read back exactly, and ViT graphs from elsewhere (timm, Hugging
+Face, DINOv2-style backbones), read with the `onnx` package, with their linear head where they have one.
 
 `export` writes the model through PyTorch's own exporter with a dynamic batch axis, and records in the model's
 metadata (`metadata_props`) what a runtime needs beside the graph: the config, the class names and the
 preprocessing (`METADATA` lists the keys). A graph with that metadata is loaded by its weights' names; any other
-graph by its structure (`onnx_graph.parse`).
+graph by its structure (`onnx_parse.parse`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ..errors import CheckpointError
 from ..files import atomic_write
 from ..model import VisionTransformer
 from .common import interpolated_posemb, make_config, model_from_rules, rename
-from .onnx_graph import initializer_array, load_external_data, parse
+from .onnx_graph import initializer_array, load_external_data
+from .onnx_parse import parse
 
 NAME = "onnx"
 
