@@ -88,7 +88,7 @@ def load_checkpoint(
     `num_classes`.
 
     Formats: "vitkit", "npz" (official ViT and big_vision), "timm", "hf" (a Hugging Face directory), "dinov2"
-    (a Hugging Face Dinov2Model directory), "onnx" (a ViT backbone graph); "auto" tells them apart
+    (a Hugging Face Dinov2Model directory), "onnx" (a ViT graph); "auto" tells them apart
     (`vitkit.formats.detect_format`). `path` may also be a pretrained name (`vitkit pretrained` lists them), or
     a `vitkit train` run directory (its model, `run_model`).
     The config is inferred from the file. `overrides` set config fields the file does not record (e.g.

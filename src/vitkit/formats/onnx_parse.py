@@ -32,7 +32,7 @@ PASS_THROUGH = {"Reshape", "Transpose", "Cast", "Identity", "Squeeze", "Unsqueez
 
 
 def _fail(path, what: str) -> ValueError:
-    return ValueError(f"{path}: not a ViT backbone graph vitkit can read ({what}).")
+    return ValueError(f"{path}: not a ViT graph vitkit can read ({what}).")
 
 
 @dataclass
@@ -332,7 +332,7 @@ def _embedding(g: Graph, p: Parsed, path) -> str:
             break
         name = casts[0].output[0]
     if conv is None:
-        raise _fail(path, "no patch-embedding Conv reads the image")
+        raise _fail(path, "no patch-embedding Conv reads the image; a hybrid's ResNet stem is not read from ONNX")
     kernel, strides = tuple(_attr(conv, "kernel_shape")), tuple(_attr(conv, "strides", [1, 1]))
     if kernel != strides or any(_attr(conv, "pads", [0, 0, 0, 0])):
         raise _fail(path, f"patch Conv with kernel {kernel}, strides {strides}: patches must not overlap")
@@ -343,6 +343,9 @@ def _embedding(g: Graph, p: Parsed, path) -> str:
     tokens, slot, _ = _follow(g, conv.output[0], {"Concat", "Add"})
     if tokens is None:
         raise _fail(path, "neither a class token nor a position embedding follows the patch embedding")
+    if tokens.op_type == "Concat" and len(tokens.input) != 2:
+        raise _fail(path, "more than a class token is put before the patches (a distillation token, registers?); "
+                          "vitkit's encoder holds one class token")  # fmt: skip
     if tokens.op_type == "Concat":
         cls = g.param(_root_param(g, tokens.input[0], path))
         if cls.ndim == 3 and len(cls) > 1 and torch.equal(cls, cls[:1].expand_as(cls)):
@@ -424,6 +427,9 @@ def parse(model, path) -> Parsed:
     g = Graph(model, path)
     p = Parsed()
     x = _embedding(g, p, path)
+    if g.users(x, "Concat"):
+        raise _fail(path, "tokens are added after the position embedding (registers?); vitkit's encoder holds one "
+                          "class token")  # fmt: skip
     ln = _layer_norm(g, x, path)
     while _is_block(g, ln[3]):
         x = _block(g, p, p.layers, x, ln, path)
