@@ -11,6 +11,12 @@ import torch
 # Two cores: keep torch from oversubscribing them, and make every test deterministic.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# torch starts autograd's threads at the first backward pass of a process, one per device it counts then; when a
+# dynamo export (an ONNX export) ran before it, devices are counted and torch refuses backward in every process
+# forked later. The fork-based kill test of test_run_safety.py needs children that can train whatever ran before
+# it, so the first backward pass of the session is this one.
+torch.ones(1, requires_grad=True).sum().backward()
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_jax"
 
 

@@ -114,7 +114,8 @@ class Graph:
     def value(self, name: str, depth: int = 0) -> np.ndarray | None:
         """Tensor `name`'s value where it is a constant, or computed from constants and static shapes by the few
         operators below (the legacy exporter writes the attention scale as 1/sqrt of the query's last dimension,
-        read off its `Shape`); None where it depends on the data or on a dimension the graph leaves open."""
+        read off its `Shape`); None where it depends on the data. A dimension the graph leaves open (the batch)
+        reads -1, as in a `Reshape`'s shape."""
         known = self.constant(name)
         if name in self.params:  # read as an operator's constant (a scale, a mask): used, not left out
             self.taken.add(self.origin.get(name, name))
