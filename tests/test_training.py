@@ -91,11 +91,13 @@ def test_two_gloo_processes_under_torchrun_match_one_process(tmp_path):
 @pytest.mark.slow
 def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_path):
     base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)
+    base.normalization = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
     vitkit.export(base, tmp_path / "base.safetensors")
     dataset = get_dataset("shapes", "train", size=8, image_size=32)
     model = initial_model(
         TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), image_size=32, model_args={}), dataset
     )
+    assert model.normalization is None  # fine-tuned on the official [-1, 1] input, as augment.train_batch makes it
     old = base.posemb.weight.detach()  # (1, 1 + 2*2, D)
     assert model.posemb.weight.shape == (1, 1 + 4 * 4, 16) and model.config.image_size == (32, 32)
     expected = resample_grid(old[:, 1:].reshape(1, 2, 2, 16), (4, 4), "bilinear").reshape(1, 16, 16)

@@ -129,10 +129,20 @@ def train_batch(
 
 
 def eval_batch(
-    images: torch.Tensor | list[torch.Tensor], image_size: tuple[int, int], in_chans: int = 3
+    images: torch.Tensor | list[torch.Tensor],
+    image_size: tuple[int, int],
+    in_chans: int = 3,
+    normalization: dict | None = None,
 ) -> torch.Tensor:
-    """Official evaluation: resize the whole image to the model resolution, then to [-1, 1]."""
-    return torch.cat([to_input(p, image_size, in_chans) for p in _as_batches(images)])
+    """Official evaluation: resize the whole image to the model resolution, then to [-1, 1] (or with a
+    checkpoint's own `normalization`, `data.to_input`)."""
+    return torch.cat([to_input(p, image_size, in_chans, normalization) for p in _as_batches(images)])
+
+
+def model_input(images: torch.Tensor | list[torch.Tensor], model) -> torch.Tensor:
+    """`eval_batch` at the model's resolution and channels, normalised as the model's checkpoint says."""
+    c = model.config
+    return eval_batch(images, c.image_size, c.in_chans, getattr(model, "normalization", None))
 
 
 def _randaugment(x: torch.Tensor, ops_magnitude: tuple[int, int], seeds: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,10 @@ def load_pretrained(
     """The model of a pretrained name (`vitkit pretrained` lists them), fetched once into the cache (never, with
     `download=False`), adapted to `image_size` / `num_classes` as `load_checkpoint` does."""
     path, arguments = pretrained.fetch(name, download=download)
-    return load_checkpoint(path, image_size=image_size, num_classes=num_classes, **{**arguments, **overrides})
+    model = load_checkpoint(path, image_size=image_size, num_classes=num_classes, **{**arguments, **overrides})
+    if model.normalization is None:  # what the file does not record, the table knows
+        model.normalization = pretrained.lookup(name).normalization
+    return model
 
 
 def create_model(name: str, pretrained: str | None = None, **overrides) -> Model:

@@ -89,6 +89,7 @@ class InferenceCopy(nn.Module):
         self.config = model.config
         self.class_names = getattr(model, "class_names", None)
         self.trained_on = getattr(model, "trained_on", None)
+        self.normalization = getattr(model, "normalization", None)
         self.training = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

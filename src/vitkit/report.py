@@ -34,13 +34,14 @@ PER_ROW = 6  # images per row of the saliency figure
 
 @dataclass(frozen=True)
 class Samples:
-    """Model input `images` (B, C, H, W) in [-1, 1], with a `title` per image and, when known, the true `labels`
-    and the object `boxes` (x0, y0, x1, y1) in model pixels."""
+    """Model input `images` (B, C, H, W) in [-1, 1] (or normalised with the model's own `normalization`), with a
+    `title` per image and, when known, the true `labels` and the object `boxes` (x0, y0, x1, y1) in model pixels."""
 
     images: torch.Tensor
     titles: list[str]
     labels: list[int] | None = None
     boxes: list[tuple[int, int, int, int]] | None = None
+    normalization: dict | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -62,11 +63,11 @@ def load_images(paths: Sequence[str | os.PathLike], model: VisionTransformer, st
                 raise
             skipped.add(e)
             continue
-        images.append(to_input(image, model.config.image_size, model.config.in_chans))
+        images.append(to_input(image, model.config.image_size, model.config.in_chans, model.normalization))
         titles.append(Path(path).name)
     if not images:
         raise ValueError(f"none of the {len(paths)} image file(s) could be read: {'; '.join(skipped.files.values())}")
-    return Samples(torch.cat(images), titles)
+    return Samples(torch.cat(images), titles, normalization=model.normalization)
 
 
 def dataset_samples(name: str, count: int, model: VisionTransformer, split: str = "test") -> Samples:
@@ -89,7 +90,8 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
         if isinstance(image, ImageError):  # an image file that failed to decode: logged, left out
             skipped.add(image)
     raw = [sample for sample in raw if not isinstance(sample[0], ImageError)]
-    images = torch.cat([to_input(img, model.config.image_size, model.config.in_chans) for img, _ in raw])
+    c = model.config
+    images = torch.cat([to_input(img, c.image_size, c.in_chans, model.normalization) for img, _ in raw])
     labels = [int(label) for _, label in raw]
     classes = getattr(dataset, "classes", None)
     titles = [f"#{i}: {classes[y] if classes else y}" for i, y in enumerate(labels)]
@@ -100,7 +102,7 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
         for i in indices:
             x0, y0, x1, y1 = dataset.box(i)
             boxes.append((round(x0 * w / sw), round(y0 * h / sh), round(x1 * w / sw), round(y1 * h / sh)))
-    return Samples(images, titles, labels, boxes)
+    return Samples(images, titles, labels, boxes, model.normalization)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -108,9 +110,14 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _display(image: torch.Tensor) -> np.ndarray:
-    """Model input (C, H, W) in [-1, 1] -> (H, W, 3) or (H, W) in [0, 1] for imshow."""
-    x = ((image.detach().float().cpu() + 1) / 2).clamp(0, 1)
+def _display(image: torch.Tensor, normalization: dict | None = None) -> np.ndarray:
+    """Model input (C, H, W) in [-1, 1] (or normalised so) -> (H, W, 3) or (H, W) in [0, 1] for imshow."""
+    x = image.detach().float().cpu()
+    if normalization is None:
+        x = (x + 1) / 2
+    else:
+        x = x * torch.tensor(normalization["std"])[:, None, None] + torch.tensor(normalization["mean"])[:, None, None]
+    x = x.clamp(0, 1)
     return x.permute(1, 2, 0).numpy() if x.shape[0] == 3 else x.mean(dim=0).numpy()
 
 
@@ -217,11 +224,11 @@ def _overlay(image: np.ndarray, heat: np.ndarray, cmap: str = "inferno", alpha: 
     return (1 - alpha) * rgb + alpha * colormaps[cmap](heat)[..., :3]
 
 
-def plot_attention_maps(maps: vi.AttentionMaps, image: torch.Tensor) -> Figure:
-    """Rows are layers, columns heads: each head's attention to the patches over the image, each map scaled to
-    its own maximum."""
+def plot_attention_maps(maps: vi.AttentionMaps, image: torch.Tensor, normalization: dict | None = None) -> Figure:
+    """Rows are layers, columns heads: each head's attention to the patches over the image (normalised as
+    `normalization` says), each map scaled to its own maximum."""
     layers, heads = maps.maps.shape[:2]
-    shown = _display(image)
+    shown = _display(image, normalization)
     tiles = np.stack([_overlay(shown, m.numpy()) for m in maps.maps.reshape(layers * heads, *maps.maps.shape[2:])])
     pad = max(shown.shape[0] // 16, 1)
     title = "Attention of each head at each layer"
@@ -238,7 +245,7 @@ def plot_saliency(
     kinds = ("input", "rollout", "occlusion")
     for i in range(n):
         block, column = divmod(i, PER_ROW)
-        shown = _display(samples.images[i])
+        shown = _display(samples.images[i], samples.normalization)
         h, w = shown.shape[:2]
         occ = occlusions[i]
         panels = (None, rollouts[i].upsampled, occ.drop)
@@ -442,7 +449,7 @@ def write_report(
     caption = CAPTIONS["saliency"].format(query=query, occlusion=OCCLUSION_CAPTIONS[occlusions[0].measure])
     caption += " Green boxes are the known object boxes." if samples.boxes is not None else ""
     parts.append(figure("saliency", "Where the model looks, and what it uses", fig, caption))
-    fig = plot_attention_maps(maps, images[0])
+    fig = plot_attention_maps(maps, images[0], samples.normalization)
     caption = CAPTIONS["attention_maps"].format(query=query)
     parts.append(figure("attention_maps", "Attention maps per layer and head", fig, caption))
     fig = plot_attention_distance(distance, uniform)

@@ -128,6 +128,7 @@ def initial_model(config: TrainConfig, dataset, base: Model | None = None) -> Mo
         config = fit_to_data(config, seen)[0]
         model = new_model(str(config.model), image_size=config.image_size, num_classes=num_classes, **config.model_args)
     model.class_names = list(dataset.classes)
+    model.normalization = None  # trained on the official [-1, 1] input (augment.train_batch), whatever a checkpoint's
     return model
 
 

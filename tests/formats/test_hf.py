@@ -164,3 +164,45 @@ def test_hf_export_works_in_the_image_classification_pipeline_with_vitkits_score
     assert max(ours.values()) - min(ours.values()) > 0.05  # the classes are told apart, so the check means something
     for r in theirs:
         assert r["score"] == pytest.approx(ours[r["label"]], abs=1e-2), r
+
+
+IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+
+
+def test_an_image_processors_normalization_is_the_models_for_predict_and_export(tmp_path):
+    """A classifier saved by transformers with an image processor that normalises with ImageNet's mean and std:
+    vitkit reads them, `vitkit.predict` matches `pipeline("image-classification")` on a photograph at the model's
+    size to 1e-5, and an export to Hugging Face writes them again."""
+    from PIL import Image
+    from skimage.data import chelsea
+    from transformers import ViTImageProcessor, pipeline
+
+    config = HFConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, num_labels=3, id2label={0: "cat", 1: "dog", 2: "emu"})  # fmt: skip
+    theirs = perturbed(ViTForImageClassification(config))
+    theirs.save_pretrained(tmp_path / "hf")
+    processor = ViTImageProcessor(size={"height": 32, "width": 32}, image_mean=IMAGENET["mean"],
+                                  image_std=IMAGENET["std"])  # fmt: skip
+    processor.save_pretrained(tmp_path / "hf")
+    ours = vitkit.load_checkpoint(tmp_path / "hf")
+    assert ours.normalization == IMAGENET
+    photo = tmp_path / "cat.png"
+    Image.fromarray(chelsea()).resize((32, 32), Image.BILINEAR).save(photo)
+    expected = {r["label"]: r["score"] for r in pipeline("image-classification", model=str(tmp_path / "hf"))(
+        str(photo), top_k=3)}  # fmt: skip
+    scores = dict(vitkit.predict(ours, [photo], k=3)[0])
+    assert max(scores.values()) - min(scores.values()) > 0.01  # the classes are told apart
+    for name, p in expected.items():
+        assert scores[name] == pytest.approx(p, abs=1e-5), name
+    vitkit.export(ours, tmp_path / "back", format="hf")
+    written = json.loads((tmp_path / "back" / "preprocessor_config.json").read_text())
+    assert (written["image_mean"], written["image_std"]) == (IMAGENET["mean"], IMAGENET["std"])
+
+
+def test_an_image_processor_with_a_zero_std_is_refused_naming_it(tmp_path):
+    perturbed(ViTModel(HFConfig(**TINY))).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "preprocessor_config.json").write_text(
+        json.dumps({"image_mean": [0.5] * 3, "image_std": [0] * 3})
+    )
+    with pytest.raises(vitkit.CheckpointError, match="preprocessor_config.json.*std .* must be finite and positive"):
+        vitkit.load_checkpoint(tmp_path / "hf")

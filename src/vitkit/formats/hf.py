@@ -26,6 +26,7 @@ from .common import (
     fused_qkv,
     make_config,
     model_from_rules,
+    normalization,
     rename,
     require_learned_posemb,
 )
@@ -168,7 +169,25 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     prefix = "vit." if any(k.startswith("vit.") for k in tensors) else ""
     model = model_from_rules(config, rules_for(config, prefix), tensors, directory, "Hugging Face ViT")
     model.class_names = class_names_of(hf, config.num_classes)
+    model.normalization = processor_normalization(directory, config.in_chans)
     return model
+
+
+def processor_normalization(directory: Path, in_chans: int) -> dict | None:
+    """The mean and std of the directory's image processor (`preprocessor_config.json`), where it has one: pixels
+    are scaled to [0, 1], then normalised with them (or not at all, with `do_normalize` false)."""
+    file = directory / PREPROCESSOR
+    if not file.is_file():
+        return None
+    try:
+        processor = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(file, f"not valid JSON ({e}).") from e
+    if not isinstance(processor, dict):
+        raise CheckpointError(file, "not a JSON object of the image processor's settings.")
+    if not processor.get("do_normalize", True):
+        return normalization(0.0, 1.0, in_chans, file, "do_normalize")
+    return normalization(processor.get("image_mean"), processor.get("image_std"), in_chans, file, "image_mean")
 
 
 def export(model: VisionTransformer, path: str | os.PathLike) -> None:
@@ -221,7 +240,7 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    for name, data in (("config.json", hf), (PREPROCESSOR, preprocessor_config(config))):
+    for name, data in (("config.json", hf), (PREPROCESSOR, preprocessor_config(model))):
         atomic_write(directory / name, partial(write_json, data=data))
 
 
@@ -229,12 +248,14 @@ def write_json(path: str, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
-def preprocessor_config(config: ViTConfig) -> dict:
+def preprocessor_config(model: VisionTransformer) -> dict:
     """vitkit's evaluation preprocessing in the words of transformers' `ViTImageProcessor`: the whole image
-    resized (bilinear) to the model resolution, then x / 127.5 - 1, i.e. (x / 255 - 0.5) / 0.5, to [-1, 1].
+    resized (bilinear) to the model resolution, then x / 127.5 - 1, i.e. (x / 255 - 0.5) / 0.5, to [-1, 1] (or
+    normalised with the model's own mean and std).
 
     `pipeline("image-classification")` reads every image as RGB, so it serves 3-channel models; a 1-channel
     model needs its images converted to grayscale by hand before the processor."""
+    config = model.config
     return {
         "image_processor_type": "ViTImageProcessor",
         "do_resize": True,
@@ -243,6 +264,6 @@ def preprocessor_config(config: ViTConfig) -> dict:
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
-        "image_mean": [0.5] * config.in_chans,
-        "image_std": [0.5] * config.in_chans,
+        "image_mean": (model.normalization or {}).get("mean", [0.5] * config.in_chans),
+        "image_std": (model.normalization or {}).get("std", [0.5] * config.in_chans),
     }

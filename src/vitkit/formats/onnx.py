@@ -17,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import ViTConfig
 from ..errors import CheckpointError
 from ..files import atomic_write
 from ..model import VisionTransformer
-from .common import interpolated_posemb, make_config, model_from_rules, rename
+from .common import interpolated_posemb, make_config, model_from_rules, normalization, rename
 from .onnx_graph import initializer_array, load_external_data
 from .onnx_parse import parse
 
@@ -102,6 +101,12 @@ def _load_export(model, metadata: dict[str, str], path, overrides: dict) -> Visi
     tensors = {name: t for name, t in held.items() if name in names}
     vit = model_from_rules(config, [rename(k, k) for k in sorted(names)], tensors, path, NAME)
     vit.class_names, vit.trained_on = class_names, trained_on
+    if "mean" in metadata or "std" in metadata:
+        try:
+            mean, std = (json.loads(metadata[k]) if k in metadata else None for k in ("mean", "std"))
+        except ValueError as e:
+            raise CheckpointError(path, f"its recorded mean or std is not valid JSON ({e}).", "mean") from e
+        vit.normalization = normalization(mean, std, config.in_chans, path, "mean")
     return vit
 
 
@@ -123,20 +128,24 @@ METADATA = {
     "resize": "how each whole image is brought to image_size: bilinear, antialiased, no crop",
     "rescale_factor": "pixel values 0..255 are multiplied by it first (1/255)",
     "mean": "then the per-channel mean is subtracted (JSON list)",
-    "std": "and the result divided by the per-channel std (JSON list): inputs in [-1, 1]",
+    "std": "and the result divided by the per-channel std (JSON list): inputs in [-1, 1] unless the model's checkpoint "
+    "was normalised otherwise (`model.normalization`)",
     "trained_on": "what the model was trained on (JSON; absent when unknown)",
 }
 
 
-def preprocessing(config: ViTConfig) -> dict[str, str]:
-    """vitkit's evaluation preprocessing (`data.to_input`: bilinear resize, x / 127.5 - 1) in metadata terms."""
+def preprocessing(model: VisionTransformer) -> dict[str, str]:
+    """vitkit's evaluation preprocessing (`data.to_input`: bilinear resize, x / 127.5 - 1, or the checkpoint's own
+    mean and std) in metadata terms."""
+    config = model.config
+    norm = model.normalization or {"mean": [0.5] * config.in_chans, "std": [0.5] * config.in_chans}
     return {
         "image_size": json.dumps(list(config.image_size)),
         "color_mode": "L" if config.in_chans == 1 else "RGB",
         "resize": "bilinear, antialiased, no crop",
         "rescale_factor": repr(1 / 255),
-        "mean": json.dumps([0.5] * config.in_chans),
-        "std": json.dumps([0.5] * config.in_chans),
+        "mean": json.dumps(norm["mean"]),
+        "std": json.dumps(norm["std"]),
     }
 
 
@@ -197,7 +206,7 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
         raise RuntimeError("torch.onnx.export returned no ONNX program")
     graph = program.model_proto
     graph.doc_string = f"vitkit VisionTransformer, {config.num_layers} layers, D={config.hidden_size}"
-    metadata = {"vitkit_config": json.dumps(config.to_dict()), **preprocessing(config)}
+    metadata = {"vitkit_config": json.dumps(config.to_dict()), **preprocessing(model)}
     if model.class_names is not None:
         metadata["class_names"] = json.dumps(list(model.class_names))
     if model.trained_on:

@@ -26,6 +26,7 @@ from .common import (
     infer_grid,
     make_config,
     model_from_rules,
+    normalization,
     rename,
     require,
     require_learned_posemb,
@@ -114,7 +115,9 @@ def is_hub_dir(path: str | os.PathLike) -> bool:
 def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransformer:
     """A timm state dict (or a hub-layout directory) as a model; the config comes from the tensor shapes (or
     vitkit's metadata, if present)."""
+    pretrained_cfg: dict = {}
     if Path(path).is_dir():
+        pretrained_cfg = json.loads((Path(path) / "config.json").read_text()).get("pretrained_cfg") or {}
         path = hub_weights(path)
     if Path(path).suffix == ".safetensors":
         tensors, metadata = read_safetensors(path)
@@ -133,6 +136,10 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> VisionTransfo
     model = model_from_rules(config, rules_for(config), tensors, path, NAME)
     if "class_names" in metadata:
         model.class_names = json.loads(metadata["class_names"])
+    # The input's mean and std: as vitkit recorded them, or the hub directory's (ImageNet's, say).
+    norm = json.loads(metadata["normalization"]) if "normalization" in metadata else pretrained_cfg
+    if isinstance(norm, dict):
+        model.normalization = normalization(norm.get("mean"), norm.get("std"), config.in_chans, path, "normalization")
     return model
 
 
@@ -161,8 +168,9 @@ def model_args(config: ViTConfig) -> dict:
 
 def hub_config(model: VisionTransformer) -> dict:
     """timm's hub `config.json`: an `architecture` it knows, `model_args` that reshape it into this model, and
-    the `pretrained_cfg` of vitkit's evaluation preprocessing (bilinear resize of the whole image to [-1, 1]), from
-    which `timm.data.create_transform(**resolve_data_config({}, model=m))` builds the same transform."""
+    the `pretrained_cfg` of vitkit's evaluation preprocessing (bilinear resize of the whole image to [-1, 1], or
+    with the model's own mean and std), from which `timm.data.create_transform(**resolve_data_config({},
+    model=m))` builds the same transform."""
     c = model.config
     size = {192: "tiny", 384: "small", 768: "base", 1024: "large", 1280: "huge"}.get(c.hidden_size, "base")
     pretrained_cfg = {
@@ -171,8 +179,8 @@ def hub_config(model: VisionTransformer) -> dict:
         "interpolation": "bilinear",
         "crop_pct": 1.0,
         "crop_mode": "squash",  # the whole image, resized to input_size (aspect ratio not kept), as vitkit does
-        "mean": [0.5] * c.in_chans,
-        "std": [0.5] * c.in_chans,
+        "mean": (model.normalization or {}).get("mean", [0.5] * c.in_chans),
+        "std": (model.normalization or {}).get("std", [0.5] * c.in_chans),
         "num_classes": c.num_classes,
         "pool_size": None,
         "first_conv": "patch_embed.proj",
@@ -208,6 +216,8 @@ def export(model: VisionTransformer, path: str | os.PathLike) -> None:
     metadata = {"format": "pt", "vitkit_config": json.dumps(model.config.to_dict())}
     if model.class_names is not None:
         metadata["class_names"] = json.dumps(list(model.class_names))
+    if model.normalization:
+        metadata["normalization"] = json.dumps(model.normalization)
     if Path(path).suffix not in ("", ".safetensors"):
         raise ValueError(
             f"{path}: timm export writes safetensors; name the file *.safetensors, or give a path "

@@ -1,5 +1,6 @@
-"""vitkit's own format: a safetensors file of our state dict, with the config, class names and what the model was
-trained on (`trained_on`, for `predict`'s notes) in its metadata.
+"""vitkit's own format: a safetensors file of our state dict, with the config, class names, what the model was
+trained on (`trained_on`, for `predict`'s notes) and, for a checkpoint normalised otherwise than the official
+[-1, 1], its input normalization in its metadata.
 
 Nothing is inferred and nothing is pickled: the metadata says exactly which model the tensors belong to.
 """
@@ -17,7 +18,7 @@ from ..architectures import Model, config_from_dict, model_from_config
 from ..config import ViTConfig, config_difference
 from ..errors import CheckpointError
 from ..files import atomic_write, read_safetensors, safetensors_metadata
-from .common import check_plausible
+from .common import check_plausible, normalization
 
 NAME = "vitkit"
 
@@ -78,6 +79,12 @@ def load(path: str | os.PathLike, image_size=None, **overrides) -> Model:
     model.class_names = class_names
     if "trained_on" in metadata:
         model.trained_on = json.loads(metadata["trained_on"])
+    if "normalization" in metadata:
+        try:
+            norm = json.loads(metadata["normalization"])
+            model.normalization = normalization(norm["mean"], norm["std"], config.in_chans, path, "normalization")
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(path, f"its recorded normalization is invalid ({e}).", "normalization") from e
     return model.eval()
 
 
@@ -88,5 +95,7 @@ def export(model: Model, path: str | os.PathLike) -> None:
         metadata["class_names"] = json.dumps(list(model.class_names))
     if model.trained_on:
         metadata["trained_on"] = json.dumps(model.trained_on)
+    if getattr(model, "normalization", None):
+        metadata["normalization"] = json.dumps(model.normalization)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
