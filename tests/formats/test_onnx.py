@@ -198,6 +198,7 @@ FOREIGN = {
         lambda: PooledClassifier(ViTConfig(**HF_CONFIG), 5),
         dict(num_classes=5, representation_size=32),
     ),
+    "hf-pooler": (lambda: ViTModel(ViTConfig(**HF_CONFIG), add_pooling_layer=True), dict(representation_size=32)),
 }
 
 
@@ -242,7 +243,7 @@ def test_timm_and_hugging_face_graphs_load_with_their_head_and_their_logits(sour
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         expected = theirs(x)
-        expected = getattr(expected, "logits", expected)
+        expected = getattr(expected, "logits", getattr(expected, "pooler_output", expected))
         torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 

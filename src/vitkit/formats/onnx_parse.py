@@ -472,17 +472,14 @@ def _head(g: Graph, p: Parsed, x: str) -> None:
     if first is None:
         return
     tanh = g.users(first[1], "Tanh")
-    second = _dense_after(g, tanh[0].output[0]) if len(tanh) == 1 and len(g.consumers[first[1]]) == 1 else None
-    if second is not None:  # a pre-logits layer (representation_size), as the official checkpoints have
+    if len(tanh) == 1 and len(g.consumers[first[1]]) == 1:  # a pre-logits layer, as the official checkpoints have
         pre = _dense(g, first[0])
         p.tensors["pre_logits.0.weight"], p.tensors["pre_logits.0.bias"] = pre.weight, pre.bias
         p.representation_size = pre.weight.shape[0]
-    elif tanh:  # a pooler alone (Hugging Face's ViTModel): the pre-logits layer of a headless model
-        pre = _dense(g, first[0])
-        p.tensors["pre_logits.0.weight"], p.tensors["pre_logits.0.bias"] = pre.weight, pre.bias
-        p.representation_size = pre.weight.shape[0]
-        return
-    head = _dense(g, (second or first)[0])
+        first = _dense_after(g, tanh[0].output[0])
+        if first is None:  # Hugging Face's ViTModel pooler alone: the pre-logits layer of a headless model
+            return
+    head = _dense(g, first[0])
     p.tensors["head.weight"], p.tensors["head.bias"] = head.weight, head.bias
     p.num_classes = head.weight.shape[0]
 
