@@ -50,6 +50,7 @@ def test_every_tiny_experiment_writes_results_and_a_second_call_trains_nothing(t
         assert result.files["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         table = result.files["table"].read_text()
         assert table.count("\n|") == len(data["table"]) + 2  # header, rule, one line per point
+        assert "| None |" not in table  # a label that does not apply (the frozen model's images) reads "-"
         for record in data["records"]:
             assert set(record["labels"]) >= {exp.series}
             assert record["params"] > 0 and record["gflops"] > 0

@@ -300,7 +300,7 @@ def markdown_table(exp: Experiment, rows: list[dict[str, Any]], preset: str, see
     lines.append("| " + " | ".join(head + metric_head) + " |")
     lines.append("|" + "---|" * (len(head) + len(metric_head)))
     for r in rows:
-        cells = [str(r["labels"][k]) for k in label_keys]
+        cells = ["-" if r["labels"][k] is None else str(r["labels"][k]) for k in label_keys]  # None: not applicable
         cells += [r["model"], f"{r['params']:,}", f"{r['gflops']:.4f}"]
         if "trainable params" in head:
             cells.append(f"{r['trainable_params']:,}")
