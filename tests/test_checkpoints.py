@@ -184,6 +184,13 @@ def test_a_models_normalization_survives_every_format_that_can_say_it(tmp_path, 
     assert vitkit.load_checkpoint(tmp_path / "official" / dst).normalization is None
 
 
+def test_an_npz_export_says_it_drops_the_models_normalization(tmp_path):
+    model = tiny(num_classes=3, act="gelu_tanh")
+    model.normalization = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    with pytest.warns(UserWarning, match="its input mean and std"):
+        vitkit.export(model, tmp_path / "m.npz")
+
+
 def test_npz_arrays_of_object_dtype_are_refused(tmp_path):
     np.savez(tmp_path / "obj.npz", embedding=np.array([{"a": 1}], dtype=object))
     with pytest.raises(

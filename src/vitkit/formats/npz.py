@@ -221,6 +221,8 @@ def not_recorded(model: VisionTransformer) -> list[str]:
         lost.append(f"layer_norm_eps={c.layer_norm_eps:g}: the file reads back with the official 1e-6")
     if model.class_names is not None:
         lost.append(f"the {len(model.class_names)} class names: the file reads back with class indices")
+    if getattr(model, "normalization", None):
+        lost.append("its input mean and std: the file reads back fed the official [-1, 1]")
     return lost
 
 
