@@ -235,11 +235,26 @@ def transfer(records: list[dict]) -> str:
     """benchmarks/transfer.py: the pre-trained ViT-S/14 against the same network from scratch."""
     rows = []
     for record in records:
-        if record.get("benchmark") == "transfer":
+        if record.get("benchmark") == "transfer" and not record.get("settings", {}).get("normalization"):
             for row in record["rows"]:
                 probe = "-" if row["linear_probe"] is None else f"{row['linear_probe']:.1f}%"
                 rows.append([row["data"], row["model"], probe, f"{row['fine_tune']:.1f}%", str(row["steps"])])
     return markdown(["data", "model", "linear probe", "full fine-tune", "fine-tune steps"], rows, right=3)
+
+
+def transfer_normalization(records: list[dict]) -> str:
+    """benchmarks/transfer.py --normalization official checkpoint: the same protocols on vitkit's [-1, 1] inputs
+    and on the checkpoint's own mean and std, side by side in one run."""
+    rows = []
+    for record in records:
+        if record.get("benchmark") == "transfer" and record.get("settings", {}).get("normalization"):
+            for row in record["rows"]:
+                inputs = "[-1, 1]" if row["normalization"] == "official" else "its own mean and std"
+                probe = "-" if row["linear_probe"] is None else f"{row['linear_probe']:.1f}%"
+                rows.append([row["data"], row["model"], label(record["machine"]), inputs, probe,
+                             f"{row['fine_tune']:.1f}%", str(row["steps"])])  # fmt: skip
+    head = ["data", "model", "machine", "inputs", "linear probe", "full fine-tune", "fine-tune steps"]
+    return markdown(head, rows, right=3)
 
 
 def machines(records: list[dict]) -> str:
@@ -578,6 +593,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "main-job": main_job,
     "recipe": recipe,
     "transfer": transfer,
+    "transfer-normalization": transfer_normalization,
     "shard-formats": shard_formats,
     "scaling": scaling,
     "machines": machines,
