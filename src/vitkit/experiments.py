@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpoints import load_checkpoint
+from .checkpoints import ARCHITECTURE_FIELDS, load_checkpoint
 from .config import ViTConfig
 from .recipes import SMALL_MODEL_ARGS, SMALL_RECIPE
 
@@ -144,22 +144,8 @@ def _checkpoint_architecture(s: Setting) -> dict[str, Any]:
     c = load_checkpoint(s.checkpoint).config
     if not isinstance(c, ViTConfig):
         raise ValueError(f"checkpoint {s.checkpoint} holds a {type(c).__name__}: these experiments need a ViT.")
-    fields = (
-        "hidden_size",
-        "num_layers",
-        "mlp_dim",
-        "num_heads",
-        "patch_size",
-        "classifier",
-        "posemb",
-        "qkv_bias",
-        "representation_size",
-        "hybrid",
-        "layer_scale_init",
-        "act",
-        "layer_norm_eps",
-        "in_chans",
-    )
+    # What the weights fix, and what no weights record but the checkpoint's model computes with.
+    fields = (*sorted(ARCHITECTURE_FIELDS), "act", "layer_norm_eps")
     args = {f: getattr(c, f) for f in fields}
     args["patch_size"] = list(args["patch_size"])
     args["hybrid"] = c.hybrid and {"units": list(c.hybrid.units), "width_factor": c.hybrid.width_factor}
