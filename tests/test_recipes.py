@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from helpers import tiny
-from vitkit import training
 from vitkit.cli import build_parser
 from vitkit.commands import _train_config
 from vitkit.config import decode_variant
@@ -17,6 +16,7 @@ from vitkit.recipes import (
     fit_batch,
     fit_patch,
     fit_to_data,
+    global_batch,
     learning_rate,
     param_groups,
     set_trainable,
@@ -194,7 +194,7 @@ def test_a_small_training_split_gets_a_batch_that_makes_three_batches_an_epoch()
     config, line = fit_to_data(TrainConfig(), image_survey((375, 500), images=384))
     assert config.batch_size == 128 and line.endswith(": photographs")  # the default batch goes unmentioned
     with pytest.raises(ValueError, match="batch_size=None: fit the config to its data first"):
-        training.global_batch(TrainConfig())
+        global_batch(TrainConfig())
 
 
 def test_photographs_keep_the_papers_224_px_inception_crop_and_flip():

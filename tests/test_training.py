@@ -304,7 +304,7 @@ def test_every_dataset_gets_a_model_that_fits_it_from_its_name_alone(tmp_path):
 
 
 def test_time_left_is_the_pace_so_far_in_seconds_minutes_or_hours():
-    from vitkit.training import time_left
+    from vitkit.run_summary import time_left
 
     assert time_left(10.0, 5, 20) == "40 s"
     assert time_left(60.0, 4, 52) == "13 min"

@@ -1,5 +1,6 @@
 """The paper's training recipes as data: `TrainConfig`, the optimiser with its weight-decay groups, the
-learning-rate schedule, and which parameters learn when fine-tuning partially.
+learning-rate schedule, which parameters learn when fine-tuning partially, and the step plan of a run (`plan_steps`:
+its steps, warmup and evaluations, and how a step's batch splits over processes and micro-batches).
 
 Pre-training (Sec. 4.1): Adam (0.9, 0.999) with decoupled weight decay on the weight matrices only, linear
 warmup then cosine or linear decay, global gradient-norm clipping at 1. Fine-tuning (official code): SGD with
@@ -510,3 +511,49 @@ def learning_rate(step: int, total_steps: int, base_lr: float, warmup_steps: int
     lr = base_lr * min(1.0, step / warmup_steps) if warmup_steps else base_lr
     progress = min(max((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0), 1.0)
     return lr * SCHEDULES[schedule](progress)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How long the run is, and how one step's global batch is split over processes and micro-batches."""
+
+    total: int  # optimiser steps of the whole run
+    batch: int  # images per step, over all processes
+    steps_per_epoch: int
+    warmup: int  # steps of linear learning-rate warmup
+    eval_interval: int  # steps between evaluations (and checkpoints)
+    per_rank: int  # images per process per step
+    micro: int  # images per micro-batch
+
+
+def global_batch(config: TrainConfig) -> int:
+    """The batch of a config fitted to its data (`recipes.fit_to_data` chooses it where it was left as None)."""
+    if config.batch_size is None:
+        raise ValueError("batch_size=None: fit the config to its data first (recipes.fit_to_data).")
+    return config.batch_size
+
+
+def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
+    """The step plan for `num_images` training images, or a ValueError when the batch cannot be split evenly."""
+    batch = global_batch(config)
+    if batch % (world.size * config.accumulation_steps):
+        raise ValueError(
+            f"batch_size={batch} is not divisible by {world.size} processes x "
+            f"{config.accumulation_steps} accumulation steps: choose a multiple of "
+            f"{world.size * config.accumulation_steps}."
+        )
+    steps_per_epoch = num_images // batch
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch_size={batch} exceeds the {num_images} training images: lower it.")
+    total = config.steps or math.ceil(config.epochs * steps_per_epoch)
+    eval_interval = max(round(config.eval_every * steps_per_epoch), 1) if config.eval_every > 0 else total
+    per_rank = batch // world.size
+    return StepPlan(
+        total=total,
+        batch=batch,
+        steps_per_epoch=steps_per_epoch,
+        warmup=round(config.warmup_fraction * total),
+        eval_interval=eval_interval,
+        per_rank=per_rank,
+        micro=per_rank // config.accumulation_steps,
+    )

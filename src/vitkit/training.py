@@ -31,7 +31,6 @@ from tqdm import tqdm
 from .architectures import Model, check_overrides, config_from_dict, model_from_config, new_model
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_for_finetuning
-from .config import ViTConfig
 from .data import dataset_augmentation, get_dataset, locate, subset
 from .data_survey import describe, survey
 from .distributed import (
@@ -48,21 +47,24 @@ from .distributed import (
     save_sharded,
     wrap_model,
 )
-from .efficiency import count_params
 from .errors import NonFiniteError
-from .evaluation import EvalResult, autocast, batches, evaluate, format_eval
+from .evaluation import EvalResult, autocast, batches, evaluate
 from .machine import compile_quietly_on, resolve_precision
 from .model import VisionTransformer
 from .recipes import (
     DEFAULT_VARIANT,
+    StepPlan,
     TrainConfig,
     build_optimizer,
     fit_to_data,
+    global_batch,
     learning_rate,
+    plan_steps,
     resume_changes,
     set_trainable,
     should_compile,
 )
+from .run_summary import TrainResult, format_summary, summary_dict, time_left
 from .runs import (
     SHARDED_CHECKPOINT,
     MetricsWindow,
@@ -79,22 +81,6 @@ from .shards import ShardedDataset, check_data_order
 
 CHECKPOINT_FORMAT = "vitkit-train/1"
 MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]  # (uint8 images, labels)
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """How a run ended: `step` of `total_steps` done (fewer when interrupted), the last evaluation."""
-
-    run_dir: Path
-    step: int
-    total_steps: int
-    interrupted: bool
-    final: EvalResult | None
-    best_top1: float
-    seconds: float  # in training steps, over all sessions of the run
-    wall_seconds: float  # over all sessions of the run, data loading and evaluation included
-    skipped_steps: int = 0  # non-finite steps not applied (nonfinite="skip")
-    skipped_images: int = 0  # unreadable image files left out (this session)
 
 
 def load_datasets(config: TrainConfig):
@@ -306,35 +292,6 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
     return final, interrupted
 
 
-def time_left(seconds: float, done: int, left: int) -> str:
-    """The time the `left` steps take at the pace of the `done` ones (which took `seconds`, evaluations included):
-    "40 s", "13 min", "3.1 h"; "" when nothing is left or nothing is done yet."""
-    if left <= 0 or done <= 0:
-        return ""
-    eta = seconds / done * left
-    return f"{eta:.0f} s" if eta < 90 else f"{eta / 60:.0f} min" if eta < 90 * 60 else f"{eta / 3600:.1f} h"
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """How long the run is, and how one step's global batch is split over processes and micro-batches."""
-
-    total: int  # optimiser steps of the whole run
-    batch: int  # images per step, over all processes
-    steps_per_epoch: int
-    warmup: int  # steps of linear learning-rate warmup
-    eval_interval: int  # steps between evaluations (and checkpoints)
-    per_rank: int  # images per process per step
-    micro: int  # images per micro-batch
-
-
-def global_batch(config: TrainConfig) -> int:
-    """The batch of a config fitted to its data (`recipes.fit_to_data` chooses it where it was left as None)."""
-    if config.batch_size is None:
-        raise ValueError("batch_size=None: fit the config to its data first (recipes.fit_to_data).")
-    return config.batch_size
-
-
 def images_per_epoch(dataset, config: TrainConfig, world: World) -> int:
     """The training images one epoch uses: all of them, or of streamed shards, what every process reads alike."""
     if not isinstance(dataset, ShardedDataset):
@@ -343,32 +300,6 @@ def images_per_epoch(dataset, config: TrainConfig, world: World) -> int:
     micro = max(batch // (world.size * config.accumulation_steps), 1)
     micro_batches = dataset.micro_batches_per_epoch(micro, world.size, config.workers)
     return micro_batches // config.accumulation_steps * batch
-
-
-def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
-    """The step plan for `num_images` training images, or a ValueError when the batch cannot be split evenly."""
-    batch = global_batch(config)
-    if batch % (world.size * config.accumulation_steps):
-        raise ValueError(
-            f"batch_size={batch} is not divisible by {world.size} processes x "
-            f"{config.accumulation_steps} accumulation steps: choose a multiple of "
-            f"{world.size * config.accumulation_steps}."
-        )
-    steps_per_epoch = num_images // batch
-    if steps_per_epoch < 1:
-        raise ValueError(f"batch_size={batch} exceeds the {num_images} training images: lower it.")
-    total = config.steps or math.ceil(config.epochs * steps_per_epoch)
-    eval_interval = max(round(config.eval_every * steps_per_epoch), 1) if config.eval_every > 0 else total
-    per_rank = batch // world.size
-    return StepPlan(
-        total=total,
-        batch=batch,
-        steps_per_epoch=steps_per_epoch,
-        warmup=round(config.warmup_fraction * total),
-        eval_interval=eval_interval,
-        per_rank=per_rank,
-        micro=per_rank // config.accumulation_steps,
-    )
 
 
 @dataclass
@@ -654,50 +585,3 @@ def finish(
     barrier(state.world)
     state.run.close()
     return result
-
-
-def summary_dict(result: TrainResult, config: TrainConfig, model: Model) -> dict:
-    return {
-        "run_dir": str(result.run_dir),
-        "data": config.data,
-        "step": result.step,
-        "total_steps": result.total_steps,
-        "interrupted": result.interrupted,
-        "train_seconds": result.seconds,
-        "wall_seconds": result.wall_seconds,
-        "test_top1": result.final.top1 if result.final else None,
-        "test_top5": result.final.top5 if result.final else None,
-        "best_test_top1": result.best_top1,
-        "per_class": dict(zip(model.class_names or [], result.final.per_class)) if result.final else None,
-        "parameters": count_params(model.config),
-        "skipped_steps": result.skipped_steps,
-        "skipped_images": result.skipped_images,
-    }
-
-
-def format_summary(result: TrainResult, config: TrainConfig, model: Model) -> str:
-    """The one-screen summary printed at the end of a run."""
-    c = model.config
-    shape = f"patch {c.patch_size[0]}, D={c.hidden_size}, L={c.num_layers}" if isinstance(c, ViTConfig) else c.name
-    lines = [
-        "=" * 72,
-        f"run        {result.run_dir}",
-        f"data       {config.data}   model {config.checkpoint or config.model} {c.image_size[0]}x{c.image_size[1]}, "
-        f"{shape}, {count_params(c):,} params",
-        f"recipe     {config.optimizer} lr {config.lr:g}, wd {config.weight_decay:g}, batch {config.batch_size}, "
-        f"{config.schedule}, warmup {config.warmup_fraction:g}, trainable={config.trainable}, {config.precision}",
-        f"steps      {result.step}/{result.total_steps} in {result.seconds / 60:.1f} min of training, "
-        f"{result.wall_seconds / 60:.1f} min wall (data and evaluation included)",
-    ]
-    if result.interrupted:
-        lines.append(f"stopped    checkpoint saved; continue with: vitkit train --resume {result.run_dir}")
-    if result.skipped_steps or result.skipped_images:
-        lines.append(
-            f"skipped    {result.skipped_steps} non-finite step(s), {result.skipped_images} unreadable image(s)"
-        )
-    if result.final is not None:
-        lines.append(f"test       {format_eval(result.final, model.class_names)}")
-        lines.append(f"best       top-1 {100 * result.best_top1:.2f}%")
-    files = sorted(f"{p.name}/" if p.is_dir() else p.name for p in Path(result.run_dir).iterdir() if p.name[0] != ".")
-    lines += [f"files      {', '.join(files)}", "=" * 72]
-    return "\n".join(lines)
