@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from . import analysis as vi
-from .data import DATASETS, get_dataset, spread_indices, to_input
+from .augment import model_input
+from .data import DATASETS, get_dataset, spread_indices
 from .errors import ImageError
 from .files import atomic_write, refuse_overwrite
 from .images import SkipLog, read_image
@@ -51,8 +52,8 @@ class Samples:
 
 def load_images(paths: Sequence[str | os.PathLike], model: VisionTransformer, strict: bool = False) -> Samples:
     """Image files -> Samples: RGB (or grayscale for a 1-channel model), resized to the model's resolution
-    (aspect ratio not kept), normalised with `to_input`. Unreadable files are skipped with a warning naming
-    each (with `strict`, the first is an ImageError); none readable is an error."""
+    (aspect ratio not kept), normalised as evaluation does (`augment.model_input`). Unreadable files are skipped
+    with a warning naming each (with `strict`, the first is an ImageError); none readable is an error."""
     mode = "L" if model.config.in_chans == 1 else "RGB"
     images, titles, skipped = [], [], SkipLog()
     for path in paths:
@@ -63,7 +64,7 @@ def load_images(paths: Sequence[str | os.PathLike], model: VisionTransformer, st
                 raise
             skipped.add(e)
             continue
-        images.append(to_input(image, model.config.image_size, model.config.in_chans, model.normalization))
+        images.append(model_input(image, model))
         titles.append(Path(path).name)
     if not images:
         raise ValueError(f"none of the {len(paths)} image file(s) could be read: {'; '.join(skipped.files.values())}")
@@ -90,8 +91,7 @@ def dataset_samples(name: str, count: int, model: VisionTransformer, split: str 
         if isinstance(image, ImageError):  # an image file that failed to decode: logged, left out
             skipped.add(image)
     raw = [sample for sample in raw if not isinstance(sample[0], ImageError)]
-    c = model.config
-    images = torch.cat([to_input(img, c.image_size, c.in_chans, model.normalization) for img, _ in raw])
+    images = torch.cat([model_input(img, model) for img, _ in raw])
     labels = [int(label) for _, label in raw]
     classes = getattr(dataset, "classes", None)
     titles = [f"#{i}: {classes[y] if classes else y}" for i, y in enumerate(labels)]
