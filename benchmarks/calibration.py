@@ -3,7 +3,8 @@ statistics model takes (`vitkit.copies.NNCF_CALIBRATION_BATCH`): seconds and pea
 run in a fresh process, the pass sizes interleaved round by round, written as a JSON record (machine, versions,
 date, commit, command, every round).
 
-    python benchmarks/calibration.py [--model ViT-S/16] [--images 512] [--passes 64 8] [--rounds 3] [--out FILE]
+    python benchmarks/calibration.py [--model ViT-S/16] [--model-args JSON] [--images 512] [--passes 64 8]
+        [--rounds 3] [--out FILE]
 
 Memory is the process's peak resident size during the call less its size before it (the model and the
 calibration images already loaded).
@@ -33,7 +34,7 @@ def resident_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status: this benchmark needs Linux")
 
 
-def one_call(model_name: str, images: int, per_pass: int, threads: int) -> dict:
+def one_call(model_name: str, model_args: dict, images: int, per_pass: int, threads: int) -> dict:
     """Calibrate once, in this process, with `per_pass` images a pass: seconds and peak memory added."""
     import torch
 
@@ -42,9 +43,11 @@ def one_call(model_name: str, images: int, per_pass: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = vitkit.create_model(model_name).eval()
+    model = vitkit.create_model(model_name, **model_args).eval()
     torch.nn.init.normal_(model.head.weight, std=0.02)
-    calibration = torch.randn(images, 3, *model.config.image_size, generator=torch.Generator().manual_seed(0))
+    calibration = torch.randn(
+        images, model.config.in_chans, *model.config.image_size, generator=torch.Generator().manual_seed(0)
+    )
     copies.NNCF_CALIBRATION_BATCH = per_pass
     before = resident_bytes()
     start = time.perf_counter()
@@ -60,6 +63,7 @@ def one_call(model_name: str, images: int, per_pass: int, threads: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ViT-S/16")
+    parser.add_argument("--model-args", default="{}", help="ViTConfig overrides as JSON, e.g. '{\"num_layers\": 2}'")
     parser.add_argument("--images", type=int, default=512)
     parser.add_argument("--passes", type=int, nargs="+", default=[64, 8], help="images per pass to compare")
     parser.add_argument("--rounds", type=int, default=3)
@@ -68,18 +72,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_call(args.model, args.images, args.one, args.threads)))
+        print(json.dumps(one_call(args.model, json.loads(args.model_args), args.images, args.one, args.threads)))
         return
     result = {
         **record_header("calibration"),
         "model": args.model,
         "versions": runtime_versions(),
-        "settings": {"images": args.images, "rounds": args.rounds, "threads": args.threads},
+        "settings": {
+            "model_args": json.loads(args.model_args),
+            "images": args.images,
+            "rounds": args.rounds,
+            "threads": args.threads,
+        },
         "cells": {str(p): [] for p in args.passes},
     }
     for i in range(args.rounds):
         for per_pass in args.passes[i % len(args.passes) :] + args.passes[: i % len(args.passes)]:
-            child = [sys.executable, __file__, "--model", args.model, "--images", str(args.images)]
+            child = [sys.executable, __file__, "--model", args.model, "--model-args", args.model_args]
+            child += ["--images", str(args.images)]
             out = subprocess.run(
                 [*child, "--threads", str(args.threads), "--one", str(per_pass)],
                 capture_output=True,

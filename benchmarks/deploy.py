@@ -4,7 +4,8 @@ Where `optimize` runs the model in OpenVINO (its default on x86 CPUs where OpenV
 too), its copy with vitkit's own kernels (`runtime="torch"`; int8: PT2E) is timed beside it as "vitkit torch fp32",
 "vitkit torch bf16" and "vitkit torch int8".
 
-    python benchmarks/deploy.py [--model ViT-S/16] [--batch 1 8] [--rounds 5] [--threads 2] [--out FILE]
+    python benchmarks/deploy.py [--model ViT-S/16] [--model-args JSON] [--batch 1 8] [--rounds 5] [--threads 2]
+        [--out FILE]
 
 The runtimes read the graph `vitkit.export` writes (a dynamic batch axis; `vitkit.runtimes.runtime_runners`: fp32
 in both, OpenVINO's bf16 where its default precision is bf16). "onnxruntime int8" is that graph quantized by ONNX
@@ -18,6 +19,7 @@ only: vitkit's int8 accuracy is measured on a trained model, see the tests).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -83,6 +85,7 @@ def onnxruntime_int8(path: Path, calibration: torch.Tensor, threads: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ViT-S/16")
+    parser.add_argument("--model-args", default="{}", help="ViTConfig overrides as JSON, e.g. '{\"num_layers\": 2}'")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
@@ -92,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = vitkit.create_model(args.model).eval()
+    model = vitkit.create_model(args.model, **json.loads(args.model_args)).eval()
     torch.nn.init.normal_(model.head.weight, std=0.02)  # a new model's head is zero: its logits would all be 0
     size = model.config.image_size
     with warnings.catch_warnings():
@@ -118,6 +121,7 @@ def main() -> None:
         "model": args.model,
         "versions": runtime_versions(),
         "settings": {
+            "model_args": json.loads(args.model_args),
             "rounds": args.rounds,
             "threads": args.threads,
             "min_seconds": args.min_seconds,

@@ -10,6 +10,7 @@ AdamW (fused), in interleaved rounds; medians. Usage (see benchmarks/gpu.sh):
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, compi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="ViT-B/16")
+    parser.add_argument("--model-args", type=json.loads, default={}, help="ViTConfig overrides as JSON")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
@@ -54,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
-    config = vitkit.decode_variant(args.model, image_size=args.image_size)
+    config = vitkit.decode_variant(args.model, image_size=args.image_size, **args.model_args)
     x = torch.randn(args.batch, 3, *config.image_size, device=device)
     labels = torch.randint(0, config.num_classes, (args.batch,), device=device)
     runs = {

@@ -1,13 +1,14 @@
 """The graph `vitkit.optimize` hands OpenVINO against the exported ONNX graph its peer runs, at batch 1, side by side.
 
 Variants of one model's graph, each compiled by OpenVINO's CPU plugin with the latency hint, `--threads` threads
-and the precision hint (fp32 and bf16 where bf16 is native), and called in interleaved, rotated rounds of single
-images: the model traced by OpenVINO's PyTorch frontend with attention written out (what `optimize` converts) and
-with SDPA, and the graph `vitkit.export` writes, each with the batch fixed at one image and variable. Then each
-variant's own per-layer profile (`PERF_COUNT`) summed by layer type and kernel, and the number of each layer type
-in the compiled graph: where one graph is faster, which kernels differ.
+and the precision hint (`--precisions`: fp32, and bf16 where it is native), and called in interleaved, rotated
+rounds of single images: the model traced by OpenVINO's PyTorch frontend with attention written out (what
+`optimize` converts) and with SDPA, and the graph `vitkit.export` writes, each with the batch fixed at one image and
+variable. Then each variant's own per-layer profile (`PERF_COUNT`) summed by layer type and kernel, and the number
+of each layer type in the compiled graph: where one graph is faster, which kernels differ.
 
-    python benchmarks/openvino_graphs.py [--model ViT-S/16] [--rounds 20] [--threads 2] [--out FILE]
+    python benchmarks/openvino_graphs.py [--model ViT-S/16] [--model-args JSON] [--rounds 20] [--threads 2]
+        [--precisions fp32 bf16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import json
 import statistics
 import tempfile
 import time
@@ -40,20 +42,23 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ViT-S/16")
+    parser.add_argument("--model-args", default="{}", help="ViTConfig overrides as JSON, e.g. '{\"num_layers\": 2}'")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=3, help="single-image calls per variant and round")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISION_HINTS),
+                        help="default: fp32, and bf16 where the CPU has native bf16")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = vitkit.create_model(args.model).eval()
+    model = vitkit.create_model(args.model, **json.loads(args.model_args)).eval()
     torch.nn.init.normal_(model.head.weight, std=0.02)  # a new model's head is zero
     shape = [1, model.config.in_chans, *model.config.image_size]
     example = torch.randn(2, *shape[1:])
     core = openvino_core()
-    folder = tempfile.mkdtemp()
-    onnx = Path(folder) / "model.onnx"
+    folder = tempfile.TemporaryDirectory()  # removed when this process ends
+    onnx = Path(folder.name) / "model.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         vitkit.export(model, onnx)
@@ -89,12 +94,17 @@ def main() -> None:
         "ONNX, fixed": exported(True),
     }
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-    precisions = ["fp32", "bf16"] if machine.bf16_is_native("cpu") else ["fp32"]
+    precisions = args.precisions or (["fp32", "bf16"] if machine.bf16_is_native("cpu") else ["fp32"])
     result = {
         **record_header("openvino-graphs"),
         "model": args.model,
         "versions": runtime_versions(),
-        "settings": {"rounds": args.rounds, "calls": args.calls, "threads": args.threads},
+        "settings": {
+            "model_args": json.loads(args.model_args),
+            "rounds": args.rounds,
+            "calls": args.calls,
+            "threads": args.threads,
+        },
         "cells": [],
     }
     for precision in precisions:
@@ -105,9 +115,10 @@ def main() -> None:
         }
         timed, profiled, layers = {}, {}, {}
         for name, make in variants.items():
-            compiled = core.compile_model(make(), "CPU", settings)
+            graph = make()  # compiling reads the graph, changes nothing in it
+            compiled = core.compile_model(graph, "CPU", settings)
             timed[name] = compiled.create_infer_request()
-            profiled[name] = core.compile_model(make(), "CPU", {**settings, "PERF_COUNT": True}).create_infer_request()
+            profiled[name] = core.compile_model(graph, "CPU", {**settings, "PERF_COUNT": True}).create_infer_request()
             ops = compiled.get_runtime_model().get_ordered_ops()
             layers[name] = collections.Counter(layer_type(op) for op in ops)
         for request in timed.values():

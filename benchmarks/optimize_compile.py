@@ -2,7 +2,7 @@
 takes them) against the same compile with the layers as `F.linear` (inductor's freezing then packs the GEMMs
 itself), and the packed eager copy (`optimize`'s default), side by side in interleaved rounds.
 
-    python benchmarks/optimize_compile.py [--model ViT-S/16] [--batch 8] [--rounds 7]
+    python benchmarks/optimize_compile.py [--model ViT-S/16] [--model-args JSON] [--batch 8] [--rounds 7]
 
 `kernels.ONEDNN_FP32` is a module constant that `torch.compile` guards on; each copy is compiled, and called, with
 the value it is measured under. On CPUs where it is False (Intel, AVX2 only) both compiled copies are the same.
@@ -11,6 +11,7 @@ the value it is measured under. On CPUs where it is False (Intel, AVX2 only) bot
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from vitkit.benchmark import record_header, write_record
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ViT-S/16")
+    parser.add_argument("--model-args", default="{}", help="ViTConfig overrides as JSON, e.g. '{\"num_layers\": 2}'")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
@@ -35,9 +37,9 @@ def main() -> None:
           f"oneDNN layers here {kernels.ONEDNN_FP32}, torch {torch.__version__}")  # fmt: skip
 
     torch.manual_seed(0)
-    model = vitkit.create_model(args.model).eval()
+    model = vitkit.create_model(args.model, **json.loads(args.model_args)).eval()
     torch.nn.init.normal_(model.head.weight, std=0.02)  # a new model's head is zero: its logits would all be 0
-    x = torch.randn(args.batch, 3, *model.config.image_size)
+    x = torch.randn(args.batch, model.config.in_chans, *model.config.image_size)
     with torch.no_grad():
         reference = model(x)
 
@@ -78,7 +80,12 @@ def main() -> None:
             {"variant": name, "images_per_s": args.batch / t, "ratio": first / t, "rounds_s": times[name]}
             for name, t in median.items()
         ]
-        settings = {"model": args.model, "batch": args.batch, "rounds": args.rounds}
+        settings = {
+            "model": args.model,
+            "model_args": json.loads(args.model_args),
+            "batch": args.batch,
+            "rounds": args.rounds,
+        }
         write_record(args.out, {**record_header("optimize-compile"), "settings": settings, "rows": rows})
 
 

@@ -8,6 +8,8 @@ accuracies) for docs/OWN_IMAGES.md.
     pip install --no-deps animal-mnist==0.4
     python benchmarks/own_images.py --dataset animal-mnist --out benchmarks/results/own-images-animal-mnist-<cpu>.json
 
+With --tiny, each run trains on 64 of the training images: a check that the script runs, not a measurement.
+
 With --train-images, the batch study instead: for each number of training images (a fixed random subset of the
 train split), every batch of --batches up to it, each with --seeds seeds; beside them the batch vitkit's defaults
 pick for that many images (`recipes.fit_batch`).
@@ -56,6 +58,8 @@ HAND_TUNED_ANIMALS = {
     "28 px, patch 7, crop 0.5-1, flip": ["--image-size", "28", "--model", "ViT-Ti/7", "--crop-scale", "0.5", "1",
                                          "--flip", "true"],
 }  # fmt: skip
+# --tiny: the training images of each run, a check of this script in seconds (tests/test_benchmark_scripts.py).
+TINY_IMAGES = 64
 # Animal-MNIST's labels 0..9, in the order its description lists the classes.
 ANIMALS = ["bear", "bird", "cat", "cow", "dog", "elephant", "giraffe", "horse", "sheep", "zebra"]
 
@@ -132,7 +136,9 @@ def run(args: list[str], out_dir: Path, command_name: str = "train") -> dict:
     output = logs["stdout"].read_text().splitlines()
     chosen = next((line for line in output if line.startswith("images ")), None)
     image_size = json.loads((out_dir / "config.json").read_text())["model"]["image_size"]
-    return {"args": args, "chosen": chosen, "image_size": image_size, "test_top1": summary["test_top1"],
+    # the run's result: its top-1 on test/, or on a folder without one (as this script writes them), on val/
+    top1 = summary["test_top1"] if summary.get("test_top1") is not None else summary["val_top1"]
+    return {"args": args, "chosen": chosen, "image_size": image_size, "test_top1": top1,
             "seconds": seconds, "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2)}  # fmt: skip
 
 
@@ -144,6 +150,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="seeds per setting (default 1)")
     parser.add_argument("--threads", default="0", help="torch threads of every run (default 0: one per core)")
     parser.add_argument("--only-defaults", action="store_true", help="skip the hand-tuned runs")
+    parser.add_argument("--tiny", action="store_true", help=f"a check: every run on {TINY_IMAGES} training images")
     parser.add_argument("--train-images", type=int, nargs="+", help="instead: the batch study, at these split sizes")
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64, 128], help="the batch study's batches")
     parser.add_argument("--finetune", metavar="CHECKPOINT", help="instead: the fine-tuning resolution study")
@@ -151,6 +158,8 @@ def main() -> None:
     parser.add_argument("--steps", default="100", help="steps of each fine-tuning run (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="the fine-tuning study's seed (default 0)")
     args = parser.parse_args()
+    if args.tiny and (args.train_images or args.finetune):
+        parser.error("--tiny checks the comparison with the defaults, not the batch or fine-tuning study")
     if args.train_images:
         return batch_study(args)
     if args.finetune:
@@ -159,7 +168,8 @@ def main() -> None:
         write, hand_tuned, what = DATASETS[args.dataset]
         root = Path(tmp) / args.dataset
         count = write(root)
-        from vitkit.data import get_dataset, survey
+        from vitkit.data import get_dataset
+        from vitkit.data_survey import survey
 
         mirror = survey(str(root), get_dataset(str(root), "train"))["mirror"]  # what the defaults' flip follows
         settings = {"defaults": []} if args.only_defaults else {"defaults": [], **hand_tuned}
@@ -168,6 +178,7 @@ def main() -> None:
             runs = []
             for seed in range(args.seeds):
                 common = ["--data", str(root), "--epochs", args.epochs, "--seed", str(seed), "--threads", args.threads]
+                common += ["--train-images", str(TINY_IMAGES)] if args.tiny else []
                 runs.append(run(common + options, Path(tmp) / f"run-{len(results)}-{seed}"))
                 print(f"{name} seed {seed}: {100 * runs[-1]['test_top1']:.2f}% in {runs[-1]['seconds']} s"
                       f"  {runs[-1]['chosen'] or ''}", flush=True)  # fmt: skip
@@ -189,7 +200,8 @@ def save(args: argparse.Namespace, benchmark: str, what: str, count: int, **fiel
         "images": count,
         "settings": {"steps": args.steps, "threads": args.threads}
         if args.finetune
-        else {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads},
+        else {"epochs": args.epochs, "seeds": args.seeds, "threads": args.threads}
+        | ({"train_images": TINY_IMAGES} if args.tiny else {}),
         "precision": resolve_precision("auto"),
         **fields,
     }

@@ -93,7 +93,8 @@ def cmd_measure(args: argparse.Namespace) -> None:
     for name in args.variants:
         call = f"measure_one({name!r}, {args.batch}, {args.steps})"
         code = f"import json, benchmarks.scaling as s; print(json.dumps(s.{call}))"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        root = Path(__file__).resolve().parents[1]  # where `benchmarks.scaling` imports from, wherever this runs
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
         r = json.loads(out.strip().splitlines()[-1])
         params = count_params(decode_variant(name, image_size=224, num_classes=1000))
         print(f"{name:<10}{params / 1e6:>8.1f}M{r['batch']:>6}{r['images_per_s']:>8.2f}{r['peak_rss'] / GIB:>9.2f}G"

@@ -1,21 +1,16 @@
+"""`vitkit bench` and vitkit.benchmark; the scripts of benchmarks/ run in tests/test_benchmark_scripts.py."""
+
 import json
-import re
-import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import vitkit
-from helpers import SRC, perturbed, subprocess_env, tiny
+from helpers import perturbed, tiny
 from vitkit import inference as opt
 from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, ratios_to_fastest
 from vitkit.cli import main
 from vitkit.copies import openvino_pays
-from vitkit.machine import describe
-
-BENCHMARKS = SRC.parent / "benchmarks"
 
 TINY = "hidden_size=16,num_layers=1,mlp_dim=32,num_heads=2,num_classes=4"
 
@@ -137,83 +132,9 @@ def test_largest_batch_follows_the_line_through_the_measured_peaks():
     assert fit["largest_batch"] == (1024 - 100) // 10 and fit["per_image_mb"] == pytest.approx(10)
 
 
-def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    """A script of benchmarks/ as a user runs it, on this worktree's sources, one thread."""
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *args],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(BENCHMARKS),
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
-@pytest.mark.slow
-def test_the_gpu_training_script_runs_here_on_the_cpu_and_its_mfu_is_the_model_flops_over_the_peak(tmp_path):
-    # gpu.sh's first part, small enough for a CPU: a broken script costs a lent GPU's minutes, this a test's seconds
-    done = run_script("gpu_train.py", "--model", "ViT-Ti/16", "--image-size", "32", "--batch", "2", "--steps", "2",
-                      "--rounds", "1", "--no-compile", "--device", "cpu", "--peak-tflops", "0.001",
-                      "--out", str(tmp_path / "gpu.json"))  # fmt: skip
-    found = re.findall(r"^  (vitkit|timm) +([\d.]+) images/s +MFU +([\d.]+)% +vitkit/\1 = ([\d.]+)$", done.stdout, re.M)
-    assert [name for name, *_ in found] == ["vitkit", "timm"], done.stdout
-    config = vitkit.decode_variant("ViT-Ti/16", image_size=32)
-    for name, images_per_s, mfu, _ in found:
-        # 3x the forward FLOPs (vitkit's forward makes the last layer's class-token row alone) at 1 GFLOP/s peak
-        flops = 3 * vitkit.flops(config, pooled_only=name == "vitkit")
-        assert float(mfu) / 100 == pytest.approx(float(images_per_s) * flops / 1e9, rel=0.02)
-    (vitkit_rate, timm_rate) = (float(r) for *_, r in found)
-    assert vitkit_rate == 1.0 and timm_rate > 0
-    record = json.loads((tmp_path / "gpu.json").read_text())  # the printed figures, as a record
-    assert record["benchmark"] == "gpu-train" and [r["library"] for r in record["rows"]] == ["vitkit", "timm"]
-    assert record["machine"]["device"] == "cpu"  # where it ran: the tables name a GPU record by its GPU
-    for (_, images_per_s, mfu, _), row in zip(found, record["rows"], strict=True):
-        assert row["images_per_s"] == pytest.approx(float(images_per_s), rel=0.01)
-        assert 100 * row["mfu"] == pytest.approx(float(mfu), abs=0.06) and len(row["rounds_s"]) == 1
-
-
 def runtimes_installed() -> None:
     for name in ("onnx", "onnxscript", "onnxruntime", "openvino"):
         pytest.importorskip(name, reason=f"the runtimes' comparison needs the optional {name} (dev extra)")
-
-
-@pytest.mark.slow
-def test_the_comparison_script_writes_a_record_with_the_machine_every_round_and_the_ratio_of_the_rounds(tmp_path):
-    out = tmp_path / "compare.json"
-    runtimes_installed()
-    args = ["--models", "ViT-Ti/16", "--model-args", '{"num_layers": 2, "image_size": 32}', "--batches", "1"]
-    run_script("compare.py", *args, "--precisions", "fp32", "--rounds", "3", "--min-seconds", "0", "--no-compile",
-               "--out", str(out))  # fmt: skip
-    record = json.loads(out.read_text())
-    assert record["benchmark"] == "compare" and record["machine"]["cpu"] == describe()["cpu"]
-    assert record["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert record["command"].startswith("python benchmarks/compare.py --models ViT-Ti/16")
-    assert record["settings"]["rounds"] == 3 and record["date"] and record["commit"]
-    assert {"torch", "onnxruntime", "openvino", "timm", "transformers"} <= set(record["versions"])
-    assert set(record["machine"]["flags"]) <= {
-        "avx2",
-        "avx512f",
-        "avx512_bf16",
-        "avx512_vnni",
-        "amx_bf16",
-        "amx_int8",
-        "amx_tile",
-    }
-    assert [row["kind"] for row in record["rows"]] == ["inference", "train"]
-    for row in record["rows"]:
-        rounds = row["rounds"]
-        assert all(len(v) == 3 for v in rounds.values()) and "HF" in rounds and "vitkit" in rounds
-        assert ("ONNX Runtime" in rounds and "OpenVINO" in rounds) == (row["kind"] == "inference")
-        fastest = max(row["images_per_s"], key=row["images_per_s"].get)  # the median of rounds' ratios: >1 may be
-        assert row["ratio_to_fastest"][fastest] == 1.0  # another contender's, the fastest's own is 1
-        assert row["images_per_s"] == {k: statistics.median(v) for k, v in rounds.items()}
-        peers = {k: v for k, v in row["images_per_s"].items() if not k.startswith("vitkit")}
-        assert row["best_peer"] == max(peers, key=peers.get)
-        ours = rounds["vitkit optimized" if row["kind"] == "inference" else "vitkit"]
-        # the median of the rounds' ratios, not the ratio of the medians: the machine's drift cancels round by round
-        expected = statistics.median(a / b for a, b in zip(ours, rounds[row["best_peer"]], strict=True))
-        assert row["ratio"] == pytest.approx(expected)
 
 
 def test_bench_plot_has_a_memory_panel_only_with_a_memory_budget(tmp_path):

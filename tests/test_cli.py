@@ -284,7 +284,7 @@ def test_progress_bars_show_on_a_terminal_and_stay_out_of_logs(gray_model, tmp_p
     assert logged.returncode == 0, logged.stderr
     assert "packing" not in logged.stderr and "train: 9 images in 3 shards" in logged.stdout
     seen = on_a_terminal("data", "pack", str(root), str(tmp_path / "seen"), "--samples-per-shard", "3")
-    assert b"packing train: 100%" in seen and b"packing test: 100%" in seen
+    assert b"packing train: 100%" in seen and b"packing val: 100%" in seen
 
 
 # --- data pack -----------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, cap
     root, out, run = write_image_folder(tmp_path / "photos", per_class=4), tmp_path / "packed", tmp_path / "run"
     done = run_vitkit("data", "pack", str(root), str(out), "--samples-per-shard", "3")
     assert done.returncode == 0, done.stderr
-    assert "train: 9 images in 3 shards" in done.stdout and "test: 3 images in 1 shards" in done.stdout
+    assert "train: 9 images in 3 shards" in done.stdout and "val: 3 images in 1 shards" in done.stdout
     assert f"--data shards --data-dir {out}" in done.stdout
     for split in ("train", "test"):
         packed, folder = ShardedDataset(split, out), ImageFolder(split, root, val_fraction=0.1)

@@ -63,6 +63,16 @@ def test_invalid_train_option_is_one_line_naming_it_with_exit_status_2(tmp_path,
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("model, closest", [("ViT-Ti/8x", "'ViT-Ti/8'"), ("ViT-Q/16", "'ViT-S/16'")])
+def test_a_misspelt_train_model_is_refused_before_anything_is_printed_naming_the_closest(tmp_path, capsys, model,
+                                                                                         closest):  # fmt: skip
+    status = main(["train", "--data", "shapes", "--model", model, "--steps", "1", "--out-dir", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "", out  # not even the line of the defaults chosen for the data
+    assert err.count("\n") == 1 and f"unknown model name {model!r}" in err and f"Did you mean {closest}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     model = vitkit.create_model(

@@ -38,8 +38,8 @@ def test_shapes_object_lies_inside_its_box():
 
 
 def test_shapes_reject_bad_arguments():
-    with pytest.raises(ValueError, match="split='val'"):
-        ShapesDataset(split="val")
+    with pytest.raises(ValueError, match="split='dev'"):
+        ShapesDataset(split="dev")
     with pytest.raises(ValueError, match="image_size=8"):
         ShapesDataset(image_size=8)
 
@@ -259,6 +259,37 @@ def test_image_folder_without_split_dirs_holds_out_a_deterministic_fraction(tmp_
     assert not {p for p, _ in train.samples} & {p for p, _ in test.samples}
     again = get_dataset("imagefolder", "test", data_dir=tmp_path, val_fraction=0.4)
     assert again.samples == test.samples
+
+
+def test_a_folder_with_train_and_test_holds_val_out_of_train_and_reads_test_whole(tmp_path):
+    from vitkit.data import training_splits
+
+    make_image_folder(tmp_path, split_dirs=True)
+    (tmp_path / "val").rename(tmp_path / "test")  # train/ and test/: val comes out of train/
+    train, val, test = training_splits(str(tmp_path), val_fraction=0.4)
+    assert (len(train), len(val), len(test)) == (6, 4, 10) and train.has_test
+    assert not {p for p, _ in train.samples} & {p for p, _ in val.samples}
+    assert {p.parent.parent.name for p, _ in train.samples + val.samples} == {"train"}
+    assert {p.parent.parent.name for p, _ in test.samples} == {"test"}
+    # class folders alone: train and val, no test; train/ and val/: those, no test
+    (tmp_path / "test").rename(tmp_path / "val")
+    train, val, test = training_splits(str(tmp_path), val_fraction=0.4)
+    assert (len(train), len(val), test) == (10, 10, None)
+
+
+def test_a_dataset_of_its_own_holds_a_tenth_of_each_class_out_for_val_and_keeps_its_test_set():
+    from vitkit.data import VAL_FRACTION, training_splits
+
+    train, val, test = training_splits("mnist-5k")
+    whole = get_dataset("mnist-5k", "train")
+    assert len(train) + len(val) == len(whole) and len(test) == 1000
+    counts = torch.bincount(val.labels, minlength=10)
+    assert torch.equal(counts, (torch.bincount(whole.labels, minlength=10) * VAL_FRACTION).round().long())
+    seen = {bytes(im.numpy()) for im in train.images}
+    assert not any(bytes(im.numpy()) in seen for im in val.images[:50])  # held out, not copied
+    again = training_splits("mnist-5k")[1]
+    assert torch.equal(again.images, val.images)  # the same split every time
+    assert training_splits("mnist-5k", val_fraction=0)[1] is None
 
 
 def test_subset_is_a_fixed_sample_that_keeps_classes_and_augmentation():

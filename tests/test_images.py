@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 import vitkit
+from helpers import write_image_folder
 from vitkit.cli import main
 from vitkit.data import get_dataset
 from vitkit.errors import ImageError
@@ -55,7 +56,7 @@ def write_awkward_images(folder: Path) -> None:
     exif[0x0112] = 6  # ...but "rotate 90 degrees clockwise to view": upright it is 2 wide, 4 high
     tall.save(folder / "rotated.jpg", exif=exif)
     (folder / "bomb.png").write_bytes(bomb_png(50_000, 50_000))
-    Image.new("RGB", (1, 1), (7, 8, 9)).save(folder / "pixel.png")
+    Image.new("RGB", (2, 2), (7, 8, 9)).save(folder / "pixel.png")  # the smallest usable (1 px: `MIN_SIDE`)
 
 
 @pytest.fixture
@@ -74,8 +75,8 @@ def test_convertible_images_are_converted_as_documented(awkward):
     assert read_image(awkward / "palette.png")[:, 0, 0].tolist() == [10, 200, 30]
     rotated = read_image(awkward / "rotated.jpg")
     assert rotated.shape == (3, 4, 2)  # upright, as the EXIF orientation says
-    assert read_image(awkward / "pixel.png").flatten().tolist() == [7, 8, 9]
-    assert read_image(awkward / "pixel.png", "L").shape == (1, 1, 1)
+    assert read_image(awkward / "pixel.png").flatten().tolist() == [7] * 4 + [8] * 4 + [9] * 4
+    assert read_image(awkward / "pixel.png", "L").shape == (1, 2, 2)
 
 
 @pytest.mark.parametrize(
@@ -254,3 +255,19 @@ def test_a_folder_given_as_an_image_file_is_named_a_folder(tmp_path):
 
     with pytest.raises(IsADirectoryError, match="a folder, not an image file"):
         read_image(tmp_path)
+
+
+def test_files_that_are_not_images_are_counted_in_one_line_and_one_pixel_images_are_left_out(tmp_path):
+    root = write_image_folder(tmp_path / "folder", per_class=4, classes=("a", "b"))
+    for name in ("logo.svg", "notes.txt", "more.svg"):
+        (root / "a" / name).write_text("<svg/>")
+    Image.new("RGB", (1, 1)).save(root / "b" / "dot.png")
+    Image.new("RGB", (1, 40)).save(root / "b" / "line.png")
+    with pytest.warns(SkippedImageWarning) as caught:
+        dataset = get_dataset("imagefolder", "train", data_dir=root, val_fraction=0)
+    messages = [str(w.message) for w in caught]
+    assert sum("not images" in m for m in messages) == 1  # one line for the folder, by kind
+    assert any(m.endswith("left out 3 files that are not images (.svg 2, .txt 1)") for m in messages)
+    assert sum("too small to use" in m for m in messages) == 2 and len(dataset.skipped) == 2
+    assert all(p.suffix == ".png" or p.suffix == ".jpg" for p, _ in dataset.samples)
+    assert not any(p.name in ("dot.png", "line.png") for p, _ in dataset.samples)

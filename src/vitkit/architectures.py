@@ -24,8 +24,9 @@ def new_model(name: str, **overrides: Any) -> Model:
 
 
 def check_overrides(name: str, overrides: dict[str, Any]) -> None:
-    """The ValueError `new_model(name, **overrides)` would raise for an unknown field or a value of the wrong
-    type, found without building anything (so that a run fails before it loads its data)."""
+    """The ValueError `new_model(name, **overrides)` would raise for an unknown name or field or a value of the
+    wrong type, found without building a model (so that a run fails before it loads its data)."""
+    (decode_bit if is_bit_name(name) else decode_variant)(name)  # a misspelt name, with the closest ones
     cls = BiTConfig if is_bit_name(name) else ViTConfig
     check_fields(cls, overrides)
     types = {f.name: f.type for f in dataclasses.fields(cls)}

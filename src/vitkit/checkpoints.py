@@ -173,7 +173,9 @@ def load_pretrained(
     """The model of a pretrained name (`vitkit pretrained` lists them), fetched once into the cache (never, with
     `download=False`), adapted to `image_size` / `num_classes` as `load_checkpoint` does."""
     path, arguments = pretrained.fetch(name, download=download)
-    model = load_checkpoint(path, image_size=image_size, num_classes=num_classes, **{**arguments, **overrides})
+    with warnings.catch_warnings():  # a named entry is a backbone by its table's word: its left-out parts are no news
+        warnings.filterwarnings("ignore", message=".*loaded the ViT backbone only")
+        model = load_checkpoint(path, image_size=image_size, num_classes=num_classes, **{**arguments, **overrides})
     if model.normalization is None:  # what the file does not record, the table knows
         model.normalization = pretrained.lookup(name).normalization
     return model

@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         FileExistsError,
         NotADirectoryError,
         IsADirectoryError,
+        PermissionError,  # a path the user gave that cannot be written (or read): a read-only --out-dir, say
         ConnectionError,
     ) as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ import math
 import os
 import pickle
 import struct
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,8 +26,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from .errors import ImageError
-from .images import SUFFIXES, SkipLog, check_image, image_paths, read_image, subfolders
-from .shards import INDEX, ShardedDataset, pack_splits
+from .images import SUFFIXES, SkipLog, SkippedImageWarning, check_image, image_paths, not_images, read_image, subfolders
+from .shards import INDEX, ShardedDataset, pack_splits, read_index
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond")
 
@@ -43,18 +44,19 @@ class ShapesDataset(Dataset):
     crop_scale, flip = (0.05, 1.0), True
 
     def __init__(self, size: int = 2000, image_size: int = 64, split: str = "train", seed: int = 0):
-        if split not in ("train", "test"):
-            raise ValueError(f"split={split!r} is unknown: use 'train' or 'test'.")
+        if split not in ("train", "val", "test"):
+            raise ValueError(f"split={split!r} is unknown: use 'train', 'val' or 'test'.")
         if image_size < 16:
             raise ValueError(f"image_size={image_size} is too small to draw shapes on: use 16 or more.")
         self.size, self.image_size = size, image_size
         self.seed = seed * 2 + (split == "test")
+        self.stream = [1] if split == "val" else []  # val: images of their own, drawn apart from train's
 
     def __len__(self) -> int:
         return self.size
 
     def _rng(self, index: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, index])
+        return np.random.default_rng([self.seed, index, *self.stream])
 
     def _layout(self, index: int) -> tuple[np.random.Generator, int, tuple[int, int, int, int]]:
         rng = self._rng(index)
@@ -382,12 +384,32 @@ class CIFAR(ImageArrayDataset):
 # --- Image folder ----------------------------------------------------------------------------------------------
 
 IMAGE_SUFFIXES = SUFFIXES
+SPLITS = ("train", "val", "test")
+# The share of each class's training images held out for validation where a dataset has no val split of its own:
+# what a run chooses (its best checkpoint) is chosen on those, never on the test split.
+VAL_FRACTION = 0.1
+
+
+def held_out(count: int, fraction: float, seed: int) -> set[int]:
+    """Which of `count` images of one class (seeded by `seed`, its label) are held out for validation: a fixed
+    `fraction`, at least one where there are two or more, and never all of them."""
+    if count < 2 or fraction <= 0:
+        return set()
+    order = np.random.default_rng(seed).permutation(count)
+    return set(order[: min(max(int(round(fraction * count)), 1), count - 1)].tolist())
 
 
 class ImageFolder(Dataset):
-    """`root/<class>/<image>` files, decoded on demand. Splits: `root/train` and `root/val` (or `root/test`)
-    when present, otherwise a deterministic `val_fraction` of each class is held out for `test`: at least one
-    image of every class with two or more, so that 5 images a class and the default 10% still give a test split."""
+    """`root/<class>/<image>` files, decoded on demand, in three splits:
+
+    - `train`: `root/train` when it is there beside `root/val` or `root/test`, otherwise `root` itself; less a
+      deterministic `val_fraction` of each class held out for `val` where there is no `root/val`.
+    - `val`: `root/val`, or that held-out part of the training images (at least one image of every class with
+      two or more, so that 5 images a class and the default 10% still give a val split).
+    - `test`: `root/test`; a folder without one answers with its val split, the held-out images a model is
+      evaluated on (`has_test` tells which).
+
+    A training run chooses on val and reads test once, at its end (`training_splits`)."""
 
     crop_scale, flip = (0.05, 1.0), True
 
@@ -395,34 +417,41 @@ class ImageFolder(Dataset):
         self,
         split: str = "train",
         data_dir: str | os.PathLike | None = None,
-        val_fraction: float = 0.1,
+        val_fraction: float = VAL_FRACTION,
         strict: bool = False,
     ):
-        _check_split(split)
+        _check_split(split, SPLITS)
         self.strict, self.skipped = strict, SkipLog()
         if data_dir is None or not Path(data_dir).is_dir():
             raise FileNotFoundError(f"imagefolder: data_dir={data_dir!r} is not a directory: pass --data-dir ROOT.")
         root = self.source = Path(data_dir)
-        held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
-        split_dirs = (root / "train").is_dir() and held_out is not None
-        base = (root / "train" if split == "train" else held_out or root) if split_dirs else root
+        found = {n for n in SPLITS if (root / n).is_dir()}
+        split_dirs = "train" in found and len(found) > 1
+        self.has_test = split_dirs and "test" in found
+        if split == "test" and not self.has_test:
+            split = "val"
+        # root/train, root/val or root/test as it is: all but a train/ that gives up images to val
+        whole = split_dirs and split in found and (split != "train" or "val" in found)
+        base = root / split if whole else root / "train" if split_dirs else root
         self.classes = [d.name for d in subfolders(base)]
         if not self.classes:
             raise FileNotFoundError(f"imagefolder: no class folders in {base}: expected {base}/<class>/<image>.")
+        if not whole and not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1).")
+        if split == "val" and not whole and val_fraction == 0:
+            raise ValueError(f"imagefolder: {root} has no val/ folder and val_fraction=0 holds none out: no val split.")
         self.samples: list[tuple[Path, int]] = []
+        others: list[Path] = []
         for label, name in enumerate(self.classes):
-            files = image_paths(base / name)
-            if not split_dirs:
-                if not 0.0 < val_fraction < 1.0:
-                    raise ValueError(f"val_fraction={val_fraction} must be in (0, 1).")
-                order = np.random.default_rng(label).permutation(len(files))
-                # At least one image of each class held out (and one kept), however small the class.
-                n_test = min(max(int(round(val_fraction * len(files))), 1), len(files) - 1) if len(files) > 1 else 0
-                keep = order[n_test:] if split == "train" else order[:n_test]
-                files = [files[i] for i in sorted(keep)]
+            files = image_paths(base / name, others)
+            if not whole and val_fraction > 0:
+                held = held_out(len(files), val_fraction, label)
+                files = [f for i, f in enumerate(files) if (i in held) == (split == "val")]
             self.samples += [(f, label) for f in files if self._usable(f)]
         if not self.samples:
             raise FileNotFoundError(f"imagefolder: no images with suffixes {IMAGE_SUFFIXES} under {base} ({split}).")
+        if others and (split == "train" or whole):  # counted once per folder of files
+            warnings.warn(f"{base}: left out {not_images(others)}", SkippedImageWarning, stacklevel=2)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -479,18 +508,21 @@ def pack_image_folder(
     out_dir: str | os.PathLike,
     *,
     samples_per_shard: int = 1000,
-    val_fraction: float = 0.1,
+    val_fraction: float = VAL_FRACTION,
     seed: int = 0,
     progress: bool = False,
     overwrite: bool = False,
 ) -> dict:
-    """Write the train and test splits of the image folder `root` (as `imagefolder` splits it) as Parquet shards of
+    """Write the train, val and (where it has one) test splits of the image folder `root` (as `imagefolder` splits
+    it) as Parquet shards of
     about `samples_per_shard` samples in `out_dir` (`shards.pack_splits`); returns the index it writes.
     `progress` shows a bar per split on a terminal (none in a log); a non-empty `out_dir` is refused unless
     `overwrite`."""
     if not Path(root).is_dir():
         raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
-    splits = {split: ImageFolder(split, root, val_fraction=val_fraction) for split in ("train", "test")}
+    train = ImageFolder("train", root, val_fraction=val_fraction)
+    names = SPLITS if train.has_test else ("train", "val")
+    splits = {split: ImageFolder(split, root, val_fraction=val_fraction) for split in names}
     return pack_splits(
         splits,
         out_dir,
@@ -597,3 +629,74 @@ def get_dataset(name: str, split: str = "train", strict: bool = False, **kwargs)
     if strict and name == "imagefolder":
         kwargs["strict"] = True
     return DATASETS[name](split=split, **kwargs)
+
+
+def training_splits(
+    name: str, strict: bool = False, val_fraction: float = VAL_FRACTION, **kwargs
+) -> tuple[LabelledDataset, LabelledDataset | None, LabelledDataset | None]:
+    """(train, val, test) of a dataset for a training run, which chooses on val and reads test once at its end:
+
+    - an image folder (`ImageFolder`): its train and val splits, and its test split where it has `test/`;
+    - packed shards: their train split, their val split (shards packed with a train and a test split only: that
+      held-out split, as val), and test where they hold one;
+    - a dataset of its own (Fashion-MNIST, CIFAR, ...): its training images less `val_fraction` of each class
+      (`held_out`), those, and its test set; the synthetic shapes draw val images of their own.
+
+    `val_fraction=0` holds nothing out: val is None (the run then evaluates on test, at its end only)."""
+    name, data_dir = locate(name, kwargs.pop("data_dir", None))
+    if data_dir is not None:
+        kwargs["data_dir"] = data_dir
+    if name == "imagefolder":
+        kwargs["val_fraction"] = val_fraction
+        train = ImageFolder("train", strict=strict, **kwargs)
+        val_dir = Path(kwargs["data_dir"], "val").is_dir() and Path(kwargs["data_dir"], "train").is_dir()
+        val = ImageFolder("val", strict=strict, **kwargs) if val_fraction > 0 or val_dir else None
+        return train, val, ImageFolder("test", strict=strict, **kwargs) if train.has_test else None
+    if name == "shards":
+        packed = read_index(kwargs["data_dir"])["splits"]
+        held = "val" if "val" in packed else "test"
+        tested = held == "val" and "test" in packed
+        return (
+            ShardedDataset("train", **kwargs),
+            ShardedDataset(held, **kwargs),
+            ShardedDataset("test", **kwargs) if tested else None,
+        )
+    if name == "shapes":
+        return tuple(ShapesDataset(split=split, **kwargs) for split in SPLITS)  # type: ignore[return-value]
+    whole = DATASETS[name](split="train", **kwargs)
+    test = DATASETS[name](split="test", **kwargs)
+    if val_fraction <= 0:
+        return whole, None, test
+    if not isinstance(whole, ImageArrayDataset):
+        raise TypeError(f"{name}: holding images out of a dataset of type {type(whole).__name__} is not supported.")
+    return (*split_off(whole, val_fraction), test)
+
+
+def split_off(dataset: ImageArrayDataset, fraction: float) -> tuple[ImageArrayDataset, ImageArrayDataset]:
+    """(kept, held out): `fraction` of each class of an in-memory split held out (`held_out`), each part with the
+    dataset's classes, augmentation and source."""
+    held = torch.zeros(len(dataset), dtype=torch.bool)
+    for label in range(len(dataset.classes)):
+        members = (dataset.labels == label).nonzero().flatten()
+        held[members[sorted(held_out(len(members), fraction, label))]] = True
+    parts = []
+    for mask in (~held, held):
+        part = ImageArrayDataset(dataset.images[mask], dataset.labels[mask], dataset.classes)
+        part.crop_scale, part.flip = dataset_augmentation(dataset)
+        part.source = getattr(dataset, "source", None)
+        parts.append(part)
+    return parts[0], parts[1]
+
+
+def class_counts(dataset: LabelledDataset) -> torch.Tensor:
+    """The images of each class in a split, from its labels alone (nothing decoded): int64 (K,)."""
+    if isinstance(dataset, ImageArrayDataset):
+        labels = dataset.labels
+    elif isinstance(dataset, ImageFolder):
+        labels = torch.tensor([label for _, label in dataset.samples], dtype=torch.long)
+    else:
+        raise ValueError(
+            f"balanced=True needs the labels of the {type(dataset).__name__} split before training; it is supported "
+            "for image folders and datasets held in memory."
+        )
+    return torch.bincount(labels, minlength=len(dataset.classes))

@@ -47,13 +47,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun), known before the process group is joined."""
+    return int(os.environ["RANK"]) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
 def init_world(device: str = "auto") -> World:
     """Join the torchrun process group when launched by torchrun; a world of one otherwise."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     base = resolve_device(device)
     if size == 1:
         return World(0, 1, base)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = launched_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     if base.type == "cuda":
         base = torch.device("cuda", local_rank)
         torch.cuda.set_device(base)

@@ -53,6 +53,13 @@ class EvalResult:
     def per_class(self) -> list[float]:
         return (self.confusion.diagonal().float() / self.confusion.sum(1).clamp(min=1)).tolist()
 
+    @property
+    def balanced(self) -> float:
+        """Balanced accuracy: the mean of the per-class accuracies over the classes present (scikit-learn's
+        `balanced_accuracy_score`), which a majority class cannot carry as it carries top-1."""
+        present = self.confusion.sum(1) > 0
+        return float(torch.tensor(self.per_class)[present].mean()) if present.any() else 0.0
+
 
 def device_of(model: torch.nn.Module) -> torch.device:
     """Where `model` computes: its parameters' device; the CPU for a copy held by a runtime (no parameters)."""
@@ -208,9 +215,12 @@ def calibration_from_files(
 
 
 def format_eval(result: EvalResult, classes: list[str] | None) -> str:
-    """Top-1/top-5 and a per-class accuracy table."""
+    """Top-1, top-5, balanced accuracy and a per-class accuracy table."""
     classes = classes or [str(i) for i in range(len(result.per_class))]
-    lines = [f"top-1 {100 * result.top1:.2f}%   top-5 {100 * result.top5:.2f}%   ({result.count} images)"]
+    lines = [
+        f"top-1 {100 * result.top1:.2f}%   top-5 {100 * result.top5:.2f}%   balanced {100 * result.balanced:.2f}%"
+        f"   ({result.count} images)"
+    ]
     width = max(len(c) for c in classes)
     for name, acc, n in zip(classes, result.per_class, result.confusion.sum(1).tolist()):
         lines.append(f"  {name:<{width}}  {100 * acc:6.2f}%  of {n}")

@@ -183,7 +183,7 @@ def execute(run: Run, preset: Preset, runs_dir: Path, threads: int, counts: dict
         record["train_seconds"] = summary["train_seconds"]
         record["metrics"]["accuracy"] = summary["test_top1"]
         model = load_checkpoint(run_dir / "model.safetensors")
-        train_set, test_set = load_datasets(config)
+        train_set, _, test_set = load_datasets(config)
         learning = set_trainable(model, config.trainable)
         record["trainable_params"] = sum(p.numel() for n, p in model.named_parameters() if n in set(learning))
     else:

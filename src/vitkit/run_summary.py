@@ -15,18 +15,25 @@ from .recipes import TrainConfig
 
 @dataclass(frozen=True)
 class TrainResult:
-    """How a run ended: `step` of `total_steps` done (fewer when interrupted), the last evaluation."""
+    """How a run ended: `step` of `total_steps` done (fewer when interrupted), its last evaluation on val and its one
+    evaluation on test (None where the data has no such split, or the run was interrupted)."""
 
     run_dir: Path
     step: int
     total_steps: int
     interrupted: bool
-    final: EvalResult | None
-    best_top1: float
+    val: EvalResult | None
+    test: EvalResult | None
+    best_top1: float  # the best val top-1 of the run's evaluations (best.safetensors)
     seconds: float  # in training steps, over all sessions of the run
     wall_seconds: float  # over all sessions of the run, data loading and evaluation included
     skipped_steps: int = 0  # non-finite steps not applied (nonfinite="skip")
     skipped_images: int = 0  # unreadable image files left out (this session)
+
+    @property
+    def final(self) -> EvalResult | None:
+        """The run's result: its test evaluation, or without a test split, its last val evaluation."""
+        return self.test or self.val
 
 
 def time_left(seconds: float, done: int, left: int) -> str:
@@ -39,6 +46,14 @@ def time_left(seconds: float, done: int, left: int) -> str:
 
 
 def summary_dict(result: TrainResult, config: TrainConfig, model: Model) -> dict:
+    """summary.json: val and test apart, each with top-1, top-5, balanced accuracy and per-class accuracy."""
+    classes = model.class_names or []
+
+    def scores(split: str, e: EvalResult | None) -> dict:
+        keys = ("top1", "top5", "balanced_accuracy", "per_class", "images")
+        values = (e.top1, e.top5, e.balanced, dict(zip(classes, e.per_class)), e.count) if e else (None,) * 5
+        return {f"{split}_{k}": v for k, v in zip(keys, values)}
+
     return {
         "run_dir": str(result.run_dir),
         "data": config.data,
@@ -47,10 +62,9 @@ def summary_dict(result: TrainResult, config: TrainConfig, model: Model) -> dict
         "interrupted": result.interrupted,
         "train_seconds": result.seconds,
         "wall_seconds": result.wall_seconds,
-        "test_top1": result.final.top1 if result.final else None,
-        "test_top5": result.final.top5 if result.final else None,
-        "best_test_top1": result.best_top1,
-        "per_class": dict(zip(model.class_names or [], result.final.per_class)) if result.final else None,
+        **scores("val", result.val),
+        "best_val_top1": result.best_top1 if result.best_top1 >= 0 else None,
+        **scores("test", result.test),
         "parameters": count_params(model.config),
         "skipped_steps": result.skipped_steps,
         "skipped_images": result.skipped_images,
@@ -77,9 +91,12 @@ def format_summary(result: TrainResult, config: TrainConfig, model: Model) -> st
         lines.append(
             f"skipped    {result.skipped_steps} non-finite step(s), {result.skipped_images} unreadable image(s)"
         )
-    if result.final is not None:
-        lines.append(f"test       {format_eval(result.final, model.class_names)}")
-        lines.append(f"best       top-1 {100 * result.best_top1:.2f}%")
+    if result.val is not None:
+        text = format_eval(result.val, model.class_names if result.test is None else None).split("\n")
+        lines.append(f"val        {text[0]}; best top-1 {100 * result.best_top1:.2f}% (best.safetensors)")
+        lines += text[1:] if result.test is None else []
+    if result.test is not None:
+        lines.append(f"test       {format_eval(result.test, model.class_names)}")
     files = sorted(f"{p.name}/" if p.is_dir() else p.name for p in Path(result.run_dir).iterdir() if p.name[0] != ".")
     lines += [f"files      {', '.join(files)}", "=" * 72]
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 config.json          the resolved TrainConfig, model config, dataset and world size
 metrics.jsonl        one JSON object per line: training (loss, lr, top-1/top-5, images/s) and evaluation
+.lock                held (flock) by the run writing here, for its life: a second run is refused meanwhile
 checkpoint.pt        resumable state (model, optimiser, step, data order, RNG), written atomically,
                      read back with `torch.load(weights_only=True)`: tensors and plain containers only
 checkpoint/          instead, for FSDP runs: torch.distributed.checkpoint shards of the model and optimiser
@@ -16,6 +17,8 @@ metrics.jsonl) and `StopRequest` (Ctrl-C / SIGTERM end the run after the current
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -30,10 +33,12 @@ from typing import Any
 import torch
 
 from .distributed import read_sharded_state
+from .errors import spelled
 from .files import atomic_write, refuse_overwrite
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"
+LOCK = ".lock"
 
 
 class RunDir:
@@ -103,8 +108,7 @@ def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True
     `overwrite`, or when the run there never reached its first checkpoint (interrupted while starting), the old
     run's files are removed first (by the main process)."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"{path} is a file: a run directory is a folder; choose another --out-dir.")
+    _refuse_a_file(path)
     found = [name for name in (*RUN_FILES, *RUN_FOLDERS) if (path / name).exists()]
     started = [name for name in found if name not in NEVER_STARTED]
     if started and not overwrite:
@@ -119,8 +123,9 @@ def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True
             f"{path} already holds {where}: continue it with `vitkit train --resume {path}`, or pass --overwrite "
             "to replace it, or choose another --out-dir."
         )
-    others = [p for p in path.iterdir() if p.name not in found and not p.name.endswith(".tmp")] if found else []
-    if others or not found:
+    ours = (*found, LOCK)  # and beside a run's files, the .tmp files of its killed writes
+    entries = list(path.iterdir()) if path.is_dir() else []
+    if [p for p in entries if p.name not in ours and not (found and p.name.endswith(".tmp"))]:
         refuse_overwrite(path, overwrite)
     if is_main:
         for name in found:
@@ -128,6 +133,103 @@ def claim_run_dir(path: str | os.PathLike, overwrite: bool, is_main: bool = True
                 shutil.rmtree(path / name)
             else:
                 (path / name).unlink()
+
+
+def _refuse_a_file(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file: a run directory is a folder; choose another --out-dir.")
+
+
+_HELD_LOCKS: set[int] = set()  # the file descriptors of the RunLocks this process holds
+
+
+def _close_inherited_locks() -> None:
+    # In a forked child (a DataLoader worker): the lock is the run's, and must end with its process, not live on
+    # in a child until the child notices that its parent was killed.
+    for fd in _HELD_LOCKS:
+        os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+class RunLock:
+    """`with RunLock(path):` one run at a time in a run directory. An advisory lock (`flock`) on PATH/.lock, taken
+    before anything there is read or written and held until the run ends; a second run meanwhile is refused
+    (FileExistsError). The kernel releases the lock when the process ends, however it ends: a killed run leaves
+    nothing stuck. A run that wrote nothing (refused, or stopped while starting) leaves no lock file behind, nor a
+    folder made for it. Only the main process of a torchrun world locks (`enabled=False` elsewhere); a resumed run
+    locks an existing folder."""
+
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, resuming: bool = False):
+        self.path, self.enabled, self.resuming = Path(path), enabled, resuming
+        self._fd: int | None = None
+        self._made_folders: list[Path] = []  # PATH and its parents that were made for the lock, deepest first
+        self._made_lock = False  # PATH/.lock was not there before
+        self._entries: list[str] = []  # what PATH held when locked
+
+    def __enter__(self) -> RunLock:
+        if not self.enabled or (self.resuming and not self.path.is_dir()):  # read_checkpoint says what is missing
+            return self
+        while self._fd is None:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 20, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise FileExistsError(self._in_use(holder)) from None
+            try:
+                current = os.path.samestat(os.fstat(fd), os.stat(self.path / LOCK))
+            except FileNotFoundError:
+                current = False
+            if current:
+                self._fd = fd
+            else:  # the run that held it removed the file on leaving (`__exit__`): lock the one there now
+                os.close(fd)
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())  # for the message of a run refused meanwhile
+        _HELD_LOCKS.add(self._fd)
+        self._entries = sorted(os.listdir(self.path))
+        return self
+
+    def _open(self) -> int:
+        """A descriptor of PATH/.lock, made (with its folder) where missing."""
+        _refuse_a_file(self.path)
+        missing = [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._made_lock = not (self.path / LOCK).exists()
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            reason, out_dir = os.strerror(e.errno).lower(), spelled("out_dir", "--out-dir")
+            fix = "make it writable to resume the run" if self.resuming else f"choose a writable {out_dir}"
+            raise PermissionError(f"cannot write the run directory {self.path}: {reason}; {fix}.") from None
+        self._made_folders = self._made_folders or missing
+        return fd
+
+    def _in_use(self, holder: str) -> str:
+        by = f" (process {holder})" if holder.isdigit() else ""
+        other = "" if self.resuming else f", or choose another {spelled('out_dir', '--out-dir')}"
+        return f"{self.path} is in use by another run{by}: wait for it to end{other}."
+
+    def __exit__(self, *exc) -> None:
+        if self._fd not in _HELD_LOCKS:  # not locked, or inherited by a forked child
+            return
+        try:
+            if self._made_lock and sorted(os.listdir(self.path)) == self._entries:  # the run wrote nothing
+                (self.path / LOCK).unlink()  # while still locked: a run about to lock this file locks a new one
+                for folder in self._made_folders:
+                    folder.rmdir()
+        except OSError:  # a folder someone else has written in meanwhile stays
+            pass
+        finally:
+            _HELD_LOCKS.discard(self._fd)
+            os.close(self._fd)  # releases the lock
+            self._fd = None
 
 
 def read_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -193,13 +295,14 @@ def plot_run(run_dir: str | os.PathLike, confusion: torch.Tensor | None, classes
 
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("split") == "train"]
-    evals = [r for r in records if r.get("split") == "test"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
-    axes[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="test")
     axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
     axes[2].plot([r["step"] for r in train], [r["top1"] for r in train], label="train top-1")
-    axes[2].plot([r["step"] for r in evals], [r["top1"] for r in evals], "o-", label="test top-1")
+    for split, style in (("val", "o-"), ("test", "*")):  # val as the run went, test once at its end
+        evals = [r for r in records if r.get("split") == split]
+        axes[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], style, label=split, markersize=9)
+        axes[2].plot([r["step"] for r in evals], [r["top1"] for r in evals], style, label=f"{split} top-1")
     for ax, title in zip(axes, ("loss", "learning rate", "accuracy")):
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -145,10 +145,13 @@ def read_index(data_dir: str | os.PathLike | None) -> dict:
 
 
 class ShardedDataset(Dataset):
-    """A split of a packed dataset: streamed for training (`stream`), any sample readable by index."""
+    """A split of a packed dataset: streamed for training (`stream`), any sample readable by index. As an image
+    folder, a packed folder without a test split answers `test` with its val split, the held-out images."""
 
     def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None):
         index = read_index(data_dir)
+        if split == "test" and "test" not in index["splits"] and "val" in index["splits"]:
+            split = "val"
         if split not in index["splits"]:
             raise ValueError(f"split={split!r} is not in {data_dir}: it holds {', '.join(index['splits'])}.")
         self.root = self.source = Path(data_dir or ".")

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from .architectures import Model, check_overrides, config_from_dict, model_from_config, new_model
 from .augment import AugmentConfig, random_draws, train_batch
 from .checkpoints import export, load_for_finetuning
-from .data import dataset_augmentation, get_dataset, locate, subset
+from .data import class_counts, dataset_augmentation, locate, subset, training_splits
 from .data_survey import describe, survey
 from .distributed import (
     World,
@@ -43,19 +43,23 @@ from .distributed import (
     gradient_sync,
     init_world,
     is_sharded,
+    launched_rank,
     load_sharded,
     save_sharded,
     wrap_model,
 )
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate
-from .machine import compile_quietly_on, resolve_precision
+from .machine import ThreadWatch, compile_quietly_on, resolve_precision
 from .model import VisionTransformer
+from .pretrained import is_installed
 from .recipes import (
     DEFAULT_VARIANT,
+    TRANSFER_CHECKPOINT,
     StepPlan,
     TrainConfig,
     build_optimizer,
+    choose_start,
     fit_to_data,
     global_batch,
     learning_rate,
@@ -69,6 +73,7 @@ from .runs import (
     SHARDED_CHECKPOINT,
     MetricsWindow,
     RunDir,
+    RunLock,
     StopRequest,
     claim_run_dir,
     default_run_dir,
@@ -84,14 +89,15 @@ MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]] 
 
 
 def load_datasets(config: TrainConfig):
-    """The train and test splits named by the config."""
+    """The (train, val, test) splits named by the config (`data.training_splits`): the run chooses on val and
+    reads test once, at its end; either may be None."""
     kwargs = dict(config.data_args)
     if config.data_dir is not None:
         kwargs["data_dir"] = config.data_dir
-    train_set = get_dataset(config.data, "train", strict=config.strict, **kwargs)
+    train_set, val_set, test_set = training_splits(config.data, strict=config.strict, **kwargs)
     if config.train_images is not None:
         train_set = subset(train_set, config.train_images)
-    return train_set, get_dataset(config.data, "test", strict=config.strict, **kwargs)
+    return train_set, val_set, test_set
 
 
 def initial_model(config: TrainConfig, dataset, base: Model | None = None) -> Model:
@@ -166,27 +172,29 @@ def train(
 def _start(
     config: TrainConfig, run_path: Path, resume, changes: dict | None, stop_after: int | None, stop: StopRequest
 ) -> TrainResult:
-    """Claim the run directory (or read the checkpoint to resume), then run the session on its processes."""
-    saved = None
-    if resume is not None:
-        saved = read_checkpoint(resume)
-        config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
-    world = init_world(config.device)
-    if saved is None:
+    """Lock the run directory for the run's life (the main process), claim it (or read the checkpoint to resume),
+    then run the session on its processes."""
+    with RunLock(run_path, enabled=launched_rank() == 0, resuming=resume is not None):
+        saved = None
+        if resume is not None:
+            saved = read_checkpoint(resume)
+            config = resume_changes(TrainConfig.from_dict(json.loads(saved["config"])), changes or {})
+        world = init_world(config.device)
+        if saved is None:
+            try:
+                claim_run_dir(run_path, config.overwrite, world.is_main)
+            except BaseException:
+                close_world(world)
+                raise
+            barrier(world)  # the main process has cleared an overwritten run before anyone writes
+        threads = torch.get_num_threads()
+        if config.threads:
+            torch.set_num_threads(config.threads)
         try:
-            claim_run_dir(run_path, config.overwrite, world.is_main)
-        except BaseException:
+            return _train_session(config, world, run_path, saved, stop_after, stop)
+        finally:
+            torch.set_num_threads(threads)
             close_world(world)
-            raise
-        barrier(world)  # the main process has cleared an overwritten run before anyone writes
-    threads = torch.get_num_threads()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    try:
-        return _train_session(config, world, run_path, saved, stop_after, stop)
-    finally:
-        torch.set_num_threads(threads)
-        close_world(world)
 
 
 def _train_session(
@@ -195,13 +203,14 @@ def _train_session(
     """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
-    state, train_set, test_set = set_up(config, world, run_path, saved)
+    state, (train_set, val_set, test_set) = set_up(config, world, run_path, saved)
     state.session_start = started
-    final, interrupted = run_steps(state, train_set, test_set, stop, stop_after)
+    val, interrupted = run_steps(state, train_set, val_set, stop, stop_after)
     stop.notice = "finishing: the model and the plots are being written"
-    if final is None and not interrupted:  # resumed after the last step: evaluate the finished model
-        final = run_evaluation(state, test_set)
-    return finish(state, final, interrupted, started, (train_set, test_set))
+    if val is None and val_set is not None and not interrupted:  # resumed after the last step
+        val = run_evaluation(state, val_set, "val")
+    test = None if interrupted or test_set is None else run_evaluation(state, test_set, "test")  # read once
+    return finish(state, (val, test), interrupted, started, (train_set, val_set, test_set))
 
 
 def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None):
@@ -211,16 +220,24 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
         check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
     torch.manual_seed(config.seed)
-    train_set, test_set = load_datasets(config)
+    train_set, val_set, test_set = load_datasets(config)
+    if len(train_set.classes) < 2:
+        raise ValueError(
+            f"{config.data_dir or config.data} has one class ({train_set.classes[0]}): a classifier needs two or "
+            "more. Put each class's images in a folder of its own, FOLDER/<class>/<image>."
+        )
     base = None  # the checkpoint to fine-tune, whose resolution and patch the fitted resolution depends on
-    if saved is None:  # what config.json records: the model, resolution, augmentation and batch for this data
+    if saved is None:  # what config.json records: the start, model, resolution, augmentation, batch and length
+        seen = survey(config.data, train_set, mirror=config.flip is None)
+        config, start = choose_start(config, seen, is_installed)
         if config.checkpoint is not None:
             base = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
-        seen = survey(config.data, train_set, mirror=config.flip is None)
         multiple = world.size * config.accumulation_steps
-        config, chosen = fit_to_data(config, seen, multiple, checkpoint=None if base is None else base.config)
+        transfer = config.checkpoint == TRANSFER_CHECKPOINT and "(--from-scratch" in start
+        fitted = fit_to_data(config, seen, multiple, checkpoint=None if base is None else base.config, small=transfer)
+        config, chosen = fitted
         if world.is_main:
-            print(chosen, flush=True)
+            print(chosen + (f"; {start}" if start else ""), flush=True)
     model = initial_model(config, train_set, base) if saved is None else saved_model(saved, train_set)
     model.trained_on = describe(config.data, train_set)
     learning = set_trainable(model, config.trainable)
@@ -236,6 +253,8 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     config = config.replace(compile=should_compile(config, world, plan.total))  # what config.json records
     run = RunDir(run_path, enabled=world.is_main)
     state = TrainState(config, world, plan, augment_config(config, train_set), model, net, optimizer, run)
+    if config.balanced:
+        state.class_weights = balanced_weights(class_counts(train_set)).to(world.device)
     if saved is not None:
         restore(state, saved)  # the same weights on every process (DDP broadcast rank 0's when wrapping)
     else:
@@ -243,12 +262,13 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     if config.compile:
         compile_quietly_on(world.device)
         state.net = typing.cast(torch.nn.Module, torch.compile(state.net))
-    return state, train_set, test_set
+    return state, (train_set, val_set, test_set)
 
 
-def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_after: int | None):
-    """`train_step` until the plan's end or a stop, logging, evaluating and saving at their intervals; returns
-    the last evaluation (or None) and whether the run was interrupted (then a checkpoint is saved)."""
+def run_steps(state: TrainState, train_set, val_set, stop: StopRequest, stop_after: int | None):
+    """`train_step` until the plan's end or a stop, logging, evaluating on val (where there is one) and saving at
+    their intervals; returns the last evaluation (or None) and whether the run was interrupted (then a checkpoint
+    is saved)."""
     config, plan, world = state.config, state.plan, state.world
     final: EvalResult | None = None
     bar = tqdm(
@@ -257,6 +277,7 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
     state.model.train()
     stop.stepping = True
     start, first_step = time.perf_counter(), state.step
+    watch = ThreadWatch(config.threads, world.device, say=bar.write)  # fewer threads while other work has the cores
     if config.compile:
         stop.notice = f"stopping after step {state.step + 1}, once the model has compiled (a while), with a checkpoint"
     try:
@@ -265,6 +286,7 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
             if micro_batches is None or state.step % plan.steps_per_epoch == 0:  # started, resumed or a new epoch
                 micro_batches = epoch_micro_batches(train_set, state)
             lr = train_step(state, micro_batches)
+            watch.after_step()
             stop.notice = "stopping after the current step, with a checkpoint"
             bar.update(1)
             if state.step % config.log_every == 0 or state.step == plan.total:
@@ -274,13 +296,14 @@ def run_steps(state: TrainState, train_set, test_set, stop: StopRequest, stop_af
                     loss=f"{record['loss']:.3f}", acc=f"{record['top1']:.3f}", img_s=f"{record['images_per_s']:.0f}"
                 )
             if state.step % plan.eval_interval == 0 or state.step == plan.total:
-                final = run_evaluation(state, test_set)
+                if val_set is not None:
+                    final = run_evaluation(state, val_set, "val")
                 if world.is_main:
                     left = time_left(time.perf_counter() - start, state.step - first_step, plan.total - state.step)
-                    bar.write(
-                        f"step {state.step}/{plan.total}  test top-1 {100 * final.top1:.2f}%  "
-                        f"top-5 {100 * final.top5:.2f}%" + (f"  about {left} left" if left else "")
+                    scores = (
+                        "" if final is None else f"  val top-1 {100 * final.top1:.2f}%  top-5 {100 * final.top5:.2f}%"
                     )
+                    bar.write(f"step {state.step}/{plan.total}{scores}" + (f"  about {left} left" if left else ""))
                 save_checkpoint(state)
             if any_process(stop.requested or (stop_after is not None and state.step >= stop_after), world):
                 break
@@ -323,6 +346,13 @@ class TrainState:
     wall_before: float = 0.0  # wall-clock seconds of the earlier sessions of the run
     session_start: float = 0.0  # time.perf_counter() when this session began
     window: MetricsWindow = field(default_factory=MetricsWindow)
+    class_weights: torch.Tensor | None = None  # the loss's weight of each class (`balanced`), or None: all alike
+
+
+def balanced_weights(counts: torch.Tensor) -> torch.Tensor:
+    """Each class's loss weight, the inverse of its share of the images (scikit-learn's "balanced":
+    images / (classes x its images)), so that every class weighs as much in the loss as a class of the mean size."""
+    return counts.sum() / (len(counts) * counts.clamp(min=1).float())
 
 
 def saved_model(saved: dict, dataset) -> Model:
@@ -431,7 +461,9 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
         with gradient_sync(state.net, m == config.accumulation_steps - 1):
             with autocast(world.device, config.precision):
                 logits = state.net(x)
-            loss = F.cross_entropy(logits.float(), targets, label_smoothing=config.label_smoothing)
+            loss = F.cross_entropy(
+                logits.float(), targets, weight=state.class_weights, label_smoothing=config.label_smoothing
+            )
             (loss / config.accumulation_steps).backward()
         finite = finite and bool(torch.isfinite(loss))
         state.window.add(loss, logits, labels)
@@ -470,12 +502,13 @@ def nonfinite_error(state: TrainState, loss: torch.Tensor, norm: torch.Tensor) -
     )
 
 
-def run_evaluation(state: TrainState, test_set) -> EvalResult:
-    """Evaluate on the test split, log it, and keep the model as best.safetensors when its top-1 is the best."""
+def run_evaluation(state: TrainState, dataset, split: str) -> EvalResult:
+    """Evaluate on `dataset`, the run's `split`, and log it; on val, keep the model as best.safetensors when its
+    top-1 is the best so far."""
     config = state.config
     result = evaluate(
         state.model,
-        test_set,
+        dataset,
         batch_size=config.eval_batch_size,
         precision=config.precision,
         world=state.world,
@@ -483,7 +516,7 @@ def run_evaluation(state: TrainState, test_set) -> EvalResult:
     )
     state.run.log(
         {
-            "split": "test",
+            "split": split,
             "step": state.step,
             "epoch": state.step / state.plan.steps_per_epoch,
             "loss": result.loss,
@@ -491,7 +524,7 @@ def run_evaluation(state: TrainState, test_set) -> EvalResult:
             "top5": result.top5,
         }
     )
-    if result.top1 > state.best_top1:  # the same on every process: the counts are summed over all
+    if split == "val" and result.top1 > state.best_top1:  # the same on every process: the counts are summed
         state.best_top1 = result.top1
         save_model(state, "best.safetensors")
     return result
@@ -559,20 +592,27 @@ def save_checkpoint(state: TrainState) -> None:
 
 
 def finish(
-    state: TrainState, final: EvalResult | None, interrupted: bool, started: float, datasets: tuple = ()
+    state: TrainState,
+    evaluations: tuple[EvalResult | None, EvalResult | None],
+    interrupted: bool,
+    started: float,
+    datasets: tuple = (),
 ) -> TrainResult:
     """A finished run keeps model.safetensors and its plots; every run writes summary.json and prints it.
-    `started`: `time.perf_counter()` when the session began (for the wall time)."""
+    `evaluations`: the last (val, test) ones; `started`: `time.perf_counter()` when the session began."""
+    val, test = evaluations
     if not interrupted:
         save_model(state, "model.safetensors")
+    last = test or val
     if not interrupted and state.world.is_main:
-        plot_run(state.run.path, final.confusion if final else None, state.model.class_names or [])
+        plot_run(state.run.path, last.confusion if last else None, state.model.class_names or [])
     result = TrainResult(
         state.run.path,
         state.step,
         state.plan.total,
         interrupted,
-        final,
+        val,
+        test,
         state.best_top1,
         state.elapsed,
         state.wall_before + time.perf_counter() - started,
