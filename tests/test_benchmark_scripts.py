@@ -288,6 +288,22 @@ def test_scaling_script_measures_and_plans_in_a_tiny_mode_from_any_folder(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_folders_script_builds_a_split_folder_and_its_pixel_baselines_in_a_tiny_mode(tmp_path):
+    pytest.importorskip("sklearn", reason="the pixel baselines need scikit-learn")
+    out = tmp_path / "folders.json"
+    run_script("folders.py", "--tiny", "--root", str(tmp_path / "folders"), "--out", str(out))
+    record = json.loads(out.read_text())
+    (folder,) = record["folders"]
+    assert folder["name"] == "mnist-5k" and sum(folder["build"]["images"].values()) == 10 * 20
+    train = {p.name for p in (tmp_path / "folders" / "mnist-5k" / "train").rglob("*.png")}
+    test = {p.name for p in (tmp_path / "folders" / "mnist-5k" / "test").rglob("*.png")}
+    assert train and test and not train & test  # no image in both splits
+    for rule in ("white", "drop"):
+        for model in ("logreg", "knn", "1nn"):
+            assert 0.1 < folder["baselines"][rule][model]["accuracy"] <= 1.0  # above chance on real digits
+
+
 def test_shard_formats_script_runs_in_a_tiny_mode_and_its_record_makes_the_formats_table(tmp_path):
     pytest.importorskip("pyarrow", reason="Parquet shards need pyarrow")
     out = tmp_path / "results" / "shard-formats.json"
