@@ -69,7 +69,9 @@ def test_convertible_images_are_converted_as_documented(awkward):
     cmyk = read_image(awkward / "cmyk.jpg")
     assert cmyk.shape == (3, 8, 8) and cmyk[0].float().mean() > 200 and cmyk[1:].float().mean() < 60
     rgba = read_image(awkward / "rgba.png")
-    assert rgba[:, 0, 0].tolist() == [255, 255, 255] and rgba[:, 1, 1].tolist() == [0, 0, 255]  # alpha over white
+    assert rgba[:, 0, 0].tolist() == [0, 0, 255] and rgba[:, 1, 1].tolist() == [0, 0, 255]  # alpha dropped
+    # ... as torchvision's loader (PIL's convert("RGB")) reads the same file
+    assert rgba[:, 0, 0].tolist() == list(Image.open(awkward / "rgba.png").convert("RGB").getpixel((0, 0)))
     gray16 = read_image(awkward / "gray16.png", "L")
     assert gray16[0].tolist() == [[0, 128], [255, 255]]  # scaled from 16 bits, not clipped at 255
     assert read_image(awkward / "palette.png")[:, 0, 0].tolist() == [10, 200, 30]

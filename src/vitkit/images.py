@@ -1,8 +1,8 @@
 """Reading image files safely: every file PIL can decode becomes a uint8 tensor (C, H, W); every other file is an
 `ImageError` naming it, and a folder of mixed files is used with the bad ones skipped (one warning each).
 
-Conversions (decided here, once): palette, grayscale, CMYK and other modes become RGB (or L); transparency is
-composited over white; 16-bit images are scaled to 8 bits (not clipped); the EXIF orientation is applied, so a
+Conversions (decided here, once): palette, grayscale, CMYK and other modes become RGB (or L); the alpha channel is
+dropped (`ALPHA`); 16-bit images are scaled to 8 bits (not clipped); the EXIF orientation is applied, so a
 photo is upright as a viewer shows it. Refused: empty files, files PIL does not recognise, truncated files, and
 images of more than `MAX_PIXELS` pixels, which are refused from their header, before anything is decoded.
 """
