@@ -724,9 +724,10 @@ def main(argv: list[str] | None = None) -> int:
         import sklearn
         from PIL import __version__ as pillow
 
-        result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or platform.machine(),
-                  "cpus": os.cpu_count(), "python": platform.python_version(), "scikit-learn": sklearn.__version__,
-                  "pillow": pillow, "command": " ".join(["python", *sys.argv]), "folders": records}  # fmt: skip
+        from vitkit.benchmark import record_header
+
+        versions = {"scikit-learn": sklearn.__version__, "pillow": pillow, "python": platform.python_version()}
+        result = {**record_header("folders"), "versions": versions, "folders": records}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 1 if any("skipped" in r for r in records) and not any("build" in r for r in records) else 0
