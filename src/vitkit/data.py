@@ -427,7 +427,7 @@ class ImageFolder(Dataset):
         root = self.source = Path(data_dir)
         found = {n for n in SPLITS if (root / n).is_dir()}
         split_dirs = "train" in found and len(found) > 1
-        self.has_test = split_dirs and "test" in found
+        self.has_val, self.has_test = (split_dirs and name in found for name in ("val", "test"))
         if split == "test" and not self.has_test:
             split = "val"
         # root/train, root/val or root/test as it is: all but a train/ that gives up images to val
@@ -514,15 +514,15 @@ def pack_image_folder(
     overwrite: bool = False,
 ) -> dict:
     """Write the train, val and (where it has one) test splits of the image folder `root` (as `imagefolder` splits
-    it) as Parquet shards of
-    about `samples_per_shard` samples in `out_dir` (`shards.pack_splits`); returns the index it writes.
+    it) as Parquet shards of about `samples_per_shard` samples in `out_dir` (`shards.pack_splits`); returns the index
+    it writes.
     `progress` shows a bar per split on a terminal (none in a log); a non-empty `out_dir` is refused unless
     `overwrite`."""
     if not Path(root).is_dir():
         raise FileNotFoundError(f"{root}: not a directory; pack an image folder ROOT/<class>/<image>.")
     train = ImageFolder("train", root, val_fraction=val_fraction)
-    names = SPLITS if train.has_test else ("train", "val")
-    splits = {split: ImageFolder(split, root, val_fraction=val_fraction) for split in names}
+    held = SPLITS[1:] if train.has_test else SPLITS[1:2]
+    splits = {"train": train, **{split: ImageFolder(split, root, val_fraction=val_fraction) for split in held}}
     return pack_splits(
         splits,
         out_dir,
@@ -649,8 +649,7 @@ def training_splits(
     if name == "imagefolder":
         kwargs["val_fraction"] = val_fraction
         train = ImageFolder("train", strict=strict, **kwargs)
-        val_dir = Path(kwargs["data_dir"], "val").is_dir() and Path(kwargs["data_dir"], "train").is_dir()
-        val = ImageFolder("val", strict=strict, **kwargs) if val_fraction > 0 or val_dir else None
+        val = ImageFolder("val", strict=strict, **kwargs) if val_fraction > 0 or train.has_val else None
         return train, val, ImageFolder("test", strict=strict, **kwargs) if train.has_test else None
     if name == "shards":
         packed = read_index(kwargs["data_dir"])["splits"]

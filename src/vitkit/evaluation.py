@@ -215,16 +215,26 @@ def calibration_from_files(
 
 
 def format_eval(result: EvalResult, classes: list[str] | None) -> str:
-    """Top-1, top-5, balanced accuracy and a per-class accuracy table."""
-    classes = classes or [str(i) for i in range(len(result.per_class))]
-    lines = [
+    """Top-1, top-5 and balanced accuracy (`format_scores`), then a per-class accuracy table (`format_per_class`)."""
+    return f"{format_scores(result)}\n{format_per_class(result, classes)}"
+
+
+def format_scores(result: EvalResult) -> str:
+    """One line: top-1, top-5, balanced accuracy and the number of images."""
+    return (
         f"top-1 {100 * result.top1:.2f}%   top-5 {100 * result.top5:.2f}%   balanced {100 * result.balanced:.2f}%"
         f"   ({result.count} images)"
-    ]
+    )
+
+
+def format_per_class(result: EvalResult, classes: list[str] | None) -> str:
+    """Each class's accuracy and its number of images, a line each."""
+    classes = classes or [str(i) for i in range(len(result.per_class))]
     width = max(len(c) for c in classes)
-    for name, acc, n in zip(classes, result.per_class, result.confusion.sum(1).tolist()):
-        lines.append(f"  {name:<{width}}  {100 * acc:6.2f}%  of {n}")
-    return "\n".join(lines)
+    counts = result.confusion.sum(1).tolist()
+    return "\n".join(
+        f"  {name:<{width}}  {100 * acc:6.2f}%  of {n}" for name, acc, n in zip(classes, result.per_class, counts)
+    )
 
 
 def image_files(paths: list[str | os.PathLike]) -> list[Path]:

@@ -389,7 +389,7 @@ class TrainConfig:
     device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     threads: int = _field(0, "CPU threads for torch; 0: one per core, fewer while other work shares the cores")
     seed: int = _field(0, "seed of the initialisation, data order and augmentation")
-    eval_every: float = _field(1.0, "epochs between evaluations on the test split; 0: only at the end")
+    eval_every: float = _field(1.0, "epochs between evaluations on the val split; 0: only at the end")
     eval_batch_size: int = _field(1000, "batch size of the evaluations")
     log_every: int = _field(20, "steps between lines of metrics.jsonl")
     out_dir: str | None = _field(None, "run directory (default: runs/<data>-<time>)")

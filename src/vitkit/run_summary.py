@@ -9,7 +9,7 @@ from pathlib import Path
 from .architectures import Model
 from .config import ViTConfig
 from .efficiency import count_params
-from .evaluation import EvalResult, format_eval
+from .evaluation import EvalResult, format_per_class, format_scores
 from .recipes import TrainConfig
 
 
@@ -92,11 +92,13 @@ def format_summary(result: TrainResult, config: TrainConfig, model: Model) -> st
             f"skipped    {result.skipped_steps} non-finite step(s), {result.skipped_images} unreadable image(s)"
         )
     if result.val is not None:
-        text = format_eval(result.val, model.class_names if result.test is None else None).split("\n")
-        lines.append(f"val        {text[0]}; best top-1 {100 * result.best_top1:.2f}% (best.safetensors)")
-        lines += text[1:] if result.test is None else []
+        lines.append(
+            f"val        {format_scores(result.val)}; best top-1 {100 * result.best_top1:.2f}% (best.safetensors)"
+        )
     if result.test is not None:
-        lines.append(f"test       {format_eval(result.test, model.class_names)}")
+        lines.append(f"test       {format_scores(result.test)}")
+    if result.final is not None:  # the classes of the run's result: test's, else val's
+        lines.append(format_per_class(result.final, model.class_names))
     files = sorted(f"{p.name}/" if p.is_dir() else p.name for p in Path(result.run_dir).iterdir() if p.name[0] != ".")
     lines += [f"files      {', '.join(files)}", "=" * 72]
     return "\n".join(lines)

@@ -55,7 +55,6 @@ from .model import VisionTransformer
 from .pretrained import is_installed
 from .recipes import (
     DEFAULT_VARIANT,
-    TRANSFER_CHECKPOINT,
     StepPlan,
     TrainConfig,
     build_optimizer,
@@ -229,13 +228,14 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     base = None  # the checkpoint to fine-tune, whose resolution and patch the fitted resolution depends on
     if saved is None:  # what config.json records: the start, model, resolution, augmentation, batch and length
         seen = survey(config.data, train_set, mirror=config.flip is None)
+        given = config.checkpoint
         config, start = choose_start(config, seen, is_installed)
+        transfer = given is None and config.checkpoint is not None  # the start chose the checkpoint
         if config.checkpoint is not None:
             base = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
         multiple = world.size * config.accumulation_steps
-        transfer = config.checkpoint == TRANSFER_CHECKPOINT and "(--from-scratch" in start
-        fitted = fit_to_data(config, seen, multiple, checkpoint=None if base is None else base.config, small=transfer)
-        config, chosen = fitted
+        checkpoint = None if base is None else base.config
+        config, chosen = fit_to_data(config, seen, multiple, checkpoint=checkpoint, small=transfer)
         if world.is_main:
             print(chosen + (f"; {start}" if start else ""), flush=True)
     model = initial_model(config, train_set, base) if saved is None else saved_model(saved, train_set)
