@@ -297,7 +297,7 @@ def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, cap
     from collections import Counter
 
     from helpers import fingerprint, write_image_folder
-    from vitkit.data import ImageFolder
+    from vitkit.image_folder import ImageFolder
     from vitkit.shards import ShardedDataset
 
     root, out, run = write_image_folder(tmp_path / "photos", per_class=4), tmp_path / "packed", tmp_path / "run"

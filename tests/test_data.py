@@ -10,6 +10,7 @@ import torch
 
 from vitkit import data, data_survey
 from vitkit.data import CIFAR, IDX_FILES, ShapesDataset, get_dataset, read_idx, safe_unpickle
+from vitkit.image_folder import pack_image_folder
 
 
 def test_shapes_are_deterministic_and_splits_differ():
@@ -353,7 +354,7 @@ def test_data_given_as_a_folder_is_an_image_folder_or_packed_shards(tmp_path):
     assert data.locate(str(tmp_path / "digits")) == ("imagefolder", str(tmp_path / "digits"))
     train = get_dataset(str(tmp_path / "digits"), "train")
     assert train.classes == ["left", "right"] and len(train) == 12 and train.source == tmp_path / "digits"
-    data.pack_image_folder(tmp_path / "digits", tmp_path / "packed")
+    pack_image_folder(tmp_path / "digits", tmp_path / "packed")
     assert data.locate(str(tmp_path / "packed")) == ("shards", str(tmp_path / "packed"))
     assert len(get_dataset(str(tmp_path / "packed"), "test")) == 12
     assert data.locate("shapes") == ("shapes", None)  # a name is a name, even beside a folder of that name

@@ -8,8 +8,9 @@ import torch
 
 from helpers import SMALL_ENCODER, assert_same_weights, fingerprint, run_weights, write_image_folder
 from vitkit import training
-from vitkit.data import ImageFolder, get_dataset, pack_image_folder
+from vitkit.data import get_dataset
 from vitkit.distributed import World
+from vitkit.image_folder import ImageFolder, pack_image_folder
 from vitkit.recipes import TrainConfig
 from vitkit.runs import read_checkpoint
 from vitkit.shards import ShardedDataset, check_data_order

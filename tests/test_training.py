@@ -284,7 +284,8 @@ def every_dataset(tmp_path) -> dict[str, dict]:
     """Each dataset of `vitkit.data.DATASETS`, made small in tmp_path where it is read from files: its
     get_dataset arguments by name."""
     from test_data import write_cifar, write_fake_mnist, write_small_digits
-    from vitkit.data import DATASETS, pack_image_folder
+    from vitkit.data import DATASETS
+    from vitkit.image_folder import pack_image_folder
 
     write_fake_mnist(tmp_path / "idx")
     write_cifar(tmp_path / "cifar", 10)

@@ -104,7 +104,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_data_pack(args: argparse.Namespace) -> int:
     """Pack an image folder into Parquet shards for streaming (datasets larger than memory)."""
-    from .data import pack_image_folder
+    from .image_folder import pack_image_folder
 
     index = pack_image_folder(
         args.root,
@@ -338,8 +338,8 @@ def _std(values: list[float]) -> float:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k classes with their probabilities for each image file."""
-    from .data import read_image
     from .evaluation import calibration_from_files, check_has_classes, image_files, input_notes, predict
+    from .images import read_image
 
     model = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
     check_has_classes(model)  # before optimizing or calibrating a copy that could not be used

@@ -18,9 +18,10 @@ from tqdm import tqdm
 from .architectures import Model
 from .augment import model_input
 from .copies import CALIBRATION_IMAGES
-from .data import IMAGE_SUFFIXES, ImageArrayDataset, LabelledDataset, in_class_order
+from .data import ImageArrayDataset, LabelledDataset, in_class_order
 from .distributed import World, all_reduce_sum, is_sharded
 from .errors import ImageError, reporting_dead_workers
+from .image_folder import IMAGE_SUFFIXES
 from .images import SkipLog, image_paths, read_image
 
 

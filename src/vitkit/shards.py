@@ -1,7 +1,7 @@
 """Datasets larger than memory: Parquet shards, streamed shard by shard during training.
 
-`data.pack_image_folder(root, out)` (`vitkit data pack ROOT OUT`) writes each split of an image folder as Parquet
-files (one row per image: `key`, `image` = the original file's bytes, `label`; row groups of 100 rows), in a
+`image_folder.pack_image_folder(root, out)` (`vitkit data pack ROOT OUT`) writes each split of an image folder as
+Parquet files (one row per image: `key`, `image` = the original file's bytes, `label`; row groups of 100 rows), in a
 fixed shuffled order, balanced (shard sizes differ by at most one), each shard written atomically, then
 `index.json` (classes, shard files and their sample counts), which marks a complete pack. Parquet rather than
 WebDataset tar: pyarrow streams the rows much faster than Python's tarfile reads tar members, and the files are
@@ -53,7 +53,7 @@ INDEX = "index.json"
 
 
 class FileSplit(Protocol):
-    """A split of image files, as `data.ImageFolder` holds one: (file, label) samples and the class names, with
+    """A split of image files, as `image_folder.ImageFolder` holds one: (file, label) samples and the class names, with
     the training augmentation its images want."""
 
     samples: list[tuple[Path, int]]
@@ -76,7 +76,7 @@ def pack_splits(
     `out_dir`, in an order shuffled with `seed`; returns the index also written to `out_dir/index.json`.
     `progress` shows a bar of the images packed per split on a terminal (none in a log). A non-empty `out_dir`
     is a FileExistsError unless `overwrite`.
-    (`data.pack_image_folder` packs an image folder through this.)"""
+    (`image_folder.pack_image_folder` packs an image folder through this.)"""
     from tqdm import tqdm
 
     if samples_per_shard < 1:
