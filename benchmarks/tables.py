@@ -6,7 +6,8 @@
 A generated table sits between `<!-- tables.py: NAME -->` and `<!-- /tables.py -->`, NAME one of `TABLES`.
 Each record (one JSON file) names its machine (CPU, family and model, instruction flags, threads), its date,
 commit and command, and its rows; a new machine's results are a new file, and its column appears in the tables.
-Where a machine has several records of the same cell, the latest one is shown.
+Where a machine has several records of the same cell, the latest one is shown. `tried-not-kept.json` is the one record
+of many machines: each of its rows names its own.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def machines_in(records: list[dict]) -> list[str]:
     """Machine labels, the machine of the newest record first (records without a date count as oldest)."""
     newest: dict[str, str] = {}
     for r in records:
+        if "machine" not in r:  # tried-not-kept.json: of many machines, each of its rows names its own
+            continue
         name = label(r["machine"])
         newest[name] = max(newest.get(name, ""), r.get("date") or "")
     return sorted(newest, key=lambda name: newest[name], reverse=True)
@@ -259,6 +262,7 @@ def transfer_normalization(records: list[dict]) -> str:
 
 def machines(records: list[dict]) -> str:
     """The machines the records come from, as /proc/cpuinfo names them."""
+    records = [r for r in records if "machine" in r]
     seen: dict[str, tuple[dict, set, int]] = {}
     for record in records:
         m = record["machine"]
@@ -573,6 +577,17 @@ def gpu_inference(records: list[dict]) -> str:
     return markdown(head, rows, right=5)
 
 
+def tried_not_kept(records: list[dict]) -> str:
+    """What was measured side by side against what vitkit does and not kept: the figures, and why not."""
+    rows = []
+    for record in records:
+        if record.get("benchmark") == "tried-not-kept":
+            for row in record["rows"]:
+                rows.append([row["what"], ", ".join(row["machines"]) or "-", row["measured"], row["why"],
+                             ", ".join(f"`{name}`" for name in row["records"]) or "-"])  # fmt: skip
+    return markdown(["tried", "machine", "measured", "why not kept", "record"], rows)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
     "gpu-train": gpu_train,
     "gpu-inference": gpu_inference,
@@ -597,6 +612,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "shard-formats": shard_formats,
     "scaling": scaling,
     "machines": machines,
+    "tried-not-kept": tried_not_kept,
 }
 
 

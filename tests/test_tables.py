@@ -94,3 +94,28 @@ def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_ea
     text = doc.read_text()
     assert "| Zen 4 | ViT-S/16 | 8 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in text
     assert "| Zen 4 | ViT-S/16 | 64 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in text
+
+
+def test_tried_not_kept_rows_are_the_records_rows_and_the_machines_table_leaves_that_record_out(tmp_path):
+    """tried-not-kept.json is one record of many machines: each row names its own machines and the record files that
+    hold its rounds ("-" where none was kept), and the machines table counts only the records of one machine."""
+    import json
+
+    machine = {"cpu": "AMD EPYC (family 25, model 1)", "family": 25, "model": 1, "flags": ["avx2"], "threads": 2}
+    options = {"benchmark": "options", "machine": machine, "date": "2026-01-01", "rows": []}
+    rows = [{"what": "a change", "machines": ["Zen 3", "Zen 5"], "measured": "0.80x", "why": "slower",
+             "records": ["options-zen3.json"]},
+            {"what": "another", "machines": [], "measured": "1.007x", "why": "within the noise",
+             "records": []}]  # fmt: skip
+    tried = {"benchmark": "tried-not-kept", "rows": rows}
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, record in {"options-zen3": options, "tried-not-kept": tried}.items():
+        (results / f"{name}.json").write_text(json.dumps(record))
+    doc = tmp_path / "doc.md"
+    doc.write_text("".join(f"<!-- tables.py: {t} -->\n<!-- /tables.py -->\n" for t in ("tried-not-kept", "machines")))
+    assert run_tables("--results", str(results), str(doc)).returncode == 0
+    text = doc.read_text()
+    assert "| a change | Zen 3, Zen 5 | 0.80x | slower | `options-zen3.json` |" in text
+    assert "| another | - | 1.007x | within the noise | - |" in text
+    assert "| Zen 3 | AMD EPYC (family 25, model 1) | AVX2 | emulated | 2 | 1 |" in text

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and readers
     from .recipes import TrainConfig
     from .training import train
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.2.0"
 
 # Public names: name -> the module that defines it, loaded on first use.
 _LAZY = {
