@@ -2,14 +2,17 @@
 F.linear's. Each test forces the oneDNN path (`ONEDNN_FP32`), so that it is checked on Intel machines too. And
 `kernels.attend`'s paths, each checked against SDPA in fp32."""
 
+import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import perturbed, tiny
 from vitkit import kernels, machine
 from vitkit.architectures import new_model
+from vitkit.model import Attention, EncoderBlock
 
 needs_onednn = pytest.mark.skipif(
     not kernels.library_available("onednn"), reason="this torch build has no oneDNN (torch.backends.mkldnn)"
@@ -130,7 +133,7 @@ def test_a_vit_training_step_by_onednn_gives_the_same_gradients(monkeypatch):
     for forced in (False, True):
         monkeypatch.setattr(kernels, "ONEDNN_FP32", forced)
         model.zero_grad()
-        F.cross_entropy(model(x), labels).backward()
+        F.cross_entropy(kernels.install(model)(x), labels).backward()
         grads[forced] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert len(grads[True]) == len(list(model.parameters()))
     for name, g in grads[False].items():
@@ -233,9 +236,64 @@ def test_a_traced_models_attention_scale_is_a_constant_not_computed_from_the_sha
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # jit.trace's deprecation; the tracer's notes on the model's shape checks
-        traced = torch.jit.trace(model, x, check_trace=False)
+        traced = torch.jit.trace(kernels.install(model), x, check_trace=False)
     powers = [node for node in traced.inlined_graph.nodes() if node.kind() == "aten::pow"]
     assert not powers, powers
     y = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(traced(y), model(y), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "changes, shape", [({}, (2, 3, 32, 32)), ({"patch_size": 7, "in_chans": 1, "image_size": 28}, (3, 1, 28, 28))]
+)
+def test_patch_embedding_as_a_matrix_product_equals_the_strided_convolution(changes, shape):
+    """`PatchGemm` flattens each patch in the Conv2d weight's (channel, row, column) order: the same as the
+    convolution E is stored for, to fp32 rounding, and in the same row-major patch order; gradients agree too."""
+    model = perturbed(tiny(**changes))
+    x = torch.randn(*shape, requires_grad=True)
+    conv = model.patch_embed(x)  # (B, gh*gw, D) by the stock convolution
+    ours = kernels.install(model).patch_embed(x)
+    assert type(model.embedding) is kernels.PatchGemm
+    torch.testing.assert_close(ours, conv, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(conv)
+    ours_grads = torch.autograd.grad(ours, [x, model.embedding.weight], g)
+    conv_grads = torch.autograd.grad(conv, [x, model.embedding.weight], g)
+    for a, b in zip(ours_grads, conv_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"classifier": "gap", "posemb": "relative"}, {"representation_size": 16, "posemb": "learn2d"}],
+)
+@pytest.mark.parametrize("onednn", [False, True])
+def test_install_keeps_the_parameters_and_gives_the_plain_models_logits_and_gradients(monkeypatch, changes, onednn):
+    """The installed layers are the stock ones run by other kernels: the same parameter objects and state dict, the
+    same logits and gradients (fp32 rounding); `uninstall` gives back the stock classes."""
+    if onednn and not kernels.library_available("onednn"):
+        pytest.skip("this torch build has no oneDNN (torch.backends.mkldnn)")
+    monkeypatch.setattr(kernels, "ONEDNN_FP32", onednn)
+    plain = perturbed(tiny(**changes))
+    fast = copy.deepcopy(plain)
+    parameters = list(fast.parameters())
+    kernels.install(fast)
+    assert list(fast.parameters()) == parameters and fast.state_dict().keys() == plain.state_dict().keys()
+    kinds = {type(m) for m in fast.modules()}
+    assert kernels.CpuAttention in kinds and Attention not in kinds and kernels.PatchGemm in kinds
+    assert (kernels.Linear in kinds) == onednn and (torch.nn.Linear in kinds) != onednn
+    x = torch.randn(3, 3, *plain.config.image_size)
+    labels = torch.tensor([0, 1, 2])
+    for model in (plain, fast):
+        F.cross_entropy(model(x), labels).backward()
+    torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(plain.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    kinds = {type(m) for m in kernels.uninstall(fast).modules()}
+    assert kinds.isdisjoint(kernels.PLAIN) and Attention in kinds and EncoderBlock in kinds
+
+
+def test_install_leaves_a_model_on_another_device_stock():
+    """On the meta device (as on a GPU) the stock layers stay: the CPU kernels are for CPUs."""
+    model = kernels.install(tiny().to("meta"))
+    assert {type(m) for m in model.modules()}.isdisjoint(kernels.PLAIN)

@@ -98,24 +98,6 @@ def test_forward_intermediates_names_and_shapes():
     assert out["pre_logits"].shape == (2, 32) and out["logits"].shape == (2, 5)
 
 
-@pytest.mark.parametrize(
-    "changes, shape", [({}, (2, 3, 32, 32)), ({"patch_size": 7, "in_chans": 1, "image_size": 28}, (3, 1, 28, 28))]
-)
-def test_patch_embedding_as_a_matrix_product_equals_the_strided_convolution(changes, shape):
-    """`patch_embed` flattens each patch in the Conv2d weight's (channel, row, column) order: the same as the
-    convolution E is stored for, to fp32 rounding, and in the same row-major patch order; gradients agree too."""
-    model = perturbed(tiny(**changes))
-    x = torch.randn(*shape, requires_grad=True)
-    ours = model.patch_embed(x)
-    conv = model.embedding(x).flatten(2).transpose(1, 2)  # (B, gh*gw, D)
-    torch.testing.assert_close(ours, conv, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(conv)
-    ours_grads = torch.autograd.grad(ours, [x, model.embedding.weight], g)
-    conv_grads = torch.autograd.grad(conv, [x, model.embedding.weight], g)
-    for a, b in zip(ours_grads, conv_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
-
-
 def test_set_image_size_resamples_learned_posemb_like_scipy_zoom():
     model = tiny(image_size=(32, 48))  # grid (4, 6) -> (7, 5), non-square both ways
     old = model.posemb.weight.detach().numpy()[0]

@@ -26,10 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import machine
+from . import kernels, machine
 from .efficiency import flops
-from .kernels import Linear
-from .model import VisionTransformer, check_images
+from .model import EncoderBlock, VisionTransformer, check_images
 
 
 def openvino_available() -> bool:
@@ -215,8 +214,10 @@ def to_openvino(model: VisionTransformer, precision: str) -> OpenVINOModel:
 
 
 def _plain_copy(model: VisionTransformer) -> tuple[VisionTransformer, torch.Tensor]:
-    """An fp32 copy of `model` for OpenVINO's frontend to trace, and two random images to trace it with."""
-    plain = copy.deepcopy(model).eval().requires_grad_(False).float()
+    """An fp32 copy of `model` for OpenVINO's frontend to trace, and two random images to trace it with. Its kernels
+    are installed: traced, their attention is written out, which OpenVINO fuses into its own attention kernel, and
+    the patch embedding is a linear layer, which NNCF quantizes with the others."""
+    plain = kernels.install(copy.deepcopy(model).eval().requires_grad_(False).float())
     c = plain.config
     return plain, torch.randn(2, c.in_chans, *c.image_size, generator=torch.Generator().manual_seed(0))
 
@@ -363,8 +364,7 @@ def quantize_int8(model: VisionTransformer, calibration: torch.Tensor | typing.I
         raise ValueError("precision='int8' needs torchao (pip install torchao, or vitkit[int8]).") from None
     batches = calibration_batches(calibration, model)
     _warn_without_fast_int8()
-    plain = copy.deepcopy(model).eval().requires_grad_(False)
-    _plain_nn_linears(plain)
+    plain = _for_pt2e(copy.deepcopy(model).eval().requires_grad_(False))
     example = batches[0][:2].to(device=device, dtype=torch.float32)
     if len(example) < 2:  # export needs two images to keep the batch axis a variable
         example = example.expand(2, *example.shape[1:])
@@ -499,13 +499,12 @@ def _warn_without_fast_int8() -> None:
         )
 
 
-def _plain_nn_linears(module: nn.Module) -> None:
-    """Every `kernels.Linear` -> nn.Linear with the same parameters: the quantizer finds linear layers by their
-    module type, and `kernels.Linear` is a subclass it does not know."""
-    for name, child in module.named_children():
-        if type(child) is Linear:
-            linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-            linear.weight, linear.bias = child.weight, child.bias
-            setattr(module, name, linear)
-        else:
-            _plain_nn_linears(child)
+def _for_pt2e(model: VisionTransformer) -> VisionTransformer:
+    """`model` (in place) as PT2E quantizes it: the patch embedding a linear layer (quantized with the others), the
+    linear layers stock `nn.Linear` (the quantizer finds them by module type), and each encoder block's residual
+    contiguous (`kernels.ContiguousResidualBlock`)."""
+    kernels.uninstall(kernels.install(model), (kernels.Linear,))
+    for m in model.modules():
+        if type(m) is EncoderBlock:
+            m.__class__ = kernels.ContiguousResidualBlock
+    return model

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import copies, machine
+from . import copies, kernels, machine
 from .kernels import LIBRARIES, Linear, fp32_library, library_available
 from .model import MlpBlock, VisionTransformer
 
@@ -211,7 +211,7 @@ def optimize(
             'Use precision="fp32" (or "auto") for speed.',
             stacklevel=2,
         )
-    fast = copy.deepcopy(model).eval().requires_grad_(False)
+    fast = kernels.install(copy.deepcopy(model).eval().requires_grad_(False))
     if precision == "bf16":
         fast = fast.to(torch.bfloat16)
     if pack and compile:

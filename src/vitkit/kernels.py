@@ -1,5 +1,7 @@
-"""The model's two kernels, beside it: `linear` (which CPU library runs a linear layer's fp32 GEMM) and `attend`
-(which attention kernel runs softmax(q k^T / sqrt(d) + bias) v).
+"""The fast kernels of the model's layers, and `install`, which swaps them in: `linear` (which CPU library runs a
+linear layer's fp32 GEMM), `attend` (which attention kernel runs softmax(q k^T / sqrt(d) + bias) v) and the patch
+embedding as one GEMM. `vitkit.model` stays stock PyTorch; `install(model)` replaces its layers in place by
+subclasses with no state of their own, so the parameters, the state dict and any optimizer over them are unchanged.
 
 PyTorch runs fp32 matrix products on x86 CPUs with MKL, whose fast code paths are for Intel's CPUs: on others it
 takes a generic one. oneDNN (also inside PyTorch) runs AVX-512 on every vendor's CPUs. So on CPUs with AVX-512 that
@@ -9,12 +11,16 @@ are not Intel's, `linear` computes fp32 layers with oneDNN, in training too, and
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import machine
+from .model import Attention, EncoderBlock, VisionTransformer, attend_explicit
 
+M = TypeVar("M", bound=nn.Module)
 LIBRARIES = ("mkl", "onednn")
 
 
@@ -188,13 +194,80 @@ def head_scale(q: torch.Tensor) -> float:
     return float(q.shape[-1]) ** -0.5
 
 
-def attend_explicit(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend` written out, and the attention probabilities (B, H, N, N): the two matmuls in q's dtype (or
-    autocast's), the softmax in fp32."""
-    logits = (q * head_scale(q)) @ k.transpose(-2, -1)  # (B, H, N, N)
-    if bias is not None:
-        logits = logits + bias
-    probs = logits.float().softmax(dim=-1).to(v.dtype)
-    return (F.dropout(probs, dropout_p) @ v if dropout_p else probs @ v), probs
+# ----------------------------------------------------------------------------------------------------------
+# The layers that run these kernels, and `install`.
+# ----------------------------------------------------------------------------------------------------------
+
+
+class CpuAttention(Attention):
+    """The model's attention whose kernel is `attend`: the same arithmetic, by the faster kernel on a CPU."""
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+    ) -> torch.Tensor:
+        return attend(q, k, v, bias, dropout_p)
+
+
+class PatchGemm(nn.Conv2d):
+    """The patch embedding's convolution (stride = kernel size, no padding) written as the matrix product it is:
+    each patch flattened in the order the Conv2d weight is stored in (channel, row, column) and multiplied by it.
+    Its backward is one GEMM, cheaper than the convolution's on a CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (b, c, h, w), (ph, pw) = x.shape, self.stride
+        gh, gw = h // ph, w // pw  # not reshape(b, -1, ...): an empty batch leaves -1 undefined
+        patches = x.reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * ph * pw)
+        y = linear(patches, self.weight.flatten(1), self.bias)  # (B, gh*gw, D)
+        return y.transpose(1, 2).unflatten(2, (gh, gw))  # (B, D, gh, gw), the convolution's layout (a view)
+
+
+class ContiguousResidualBlock(EncoderBlock):
+    """The encoder block with the residual's rows copied into a tensor of their own when only some queries are
+    computed: inductor's int8 linear (the PT2E int8 copy), fused with the residual add, misreads a strided addend
+    (B, queries, D) cut from (B, N, D). The copy is B x D numbers."""
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, need_weights: bool = False, queries: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        y, probs = self.attn(self.norm1(x), bias, need_weights, queries)
+        x = x[:, :queries].contiguous() + self.drop_path1(self.ls1(self.drop(y)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x, probs
+
+
+def _is_patch_convolution(m: nn.Module) -> bool:
+    return (
+        type(m) is nn.Conv2d
+        and m.kernel_size == m.stride
+        and m.padding == (0, 0)
+        and m.dilation == (1, 1)
+        and m.groups == 1
+    )
+
+
+def install(model: M) -> M:
+    """Swap the fast kernels into `model` (in place; returned): on a CPU the attention by `attend` and the patch
+    embedding as a GEMM, and the linear layers by oneDNN where `ONEDNN_FP32`. Elsewhere (GPUs) the stock layers
+    are the fast ones and nothing changes. The choices that depend on the machine are made here, once; those that
+    depend on the call (autocast, tracing, compiling, gradients) stay inside the kernels."""
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    for m in model.modules():
+        if type(m) is nn.Linear and ONEDNN_FP32 and on_cpu:
+            m.__class__ = Linear
+        elif type(m) is Attention and on_cpu:
+            m.__class__ = CpuAttention
+        elif isinstance(m, VisionTransformer) and on_cpu and _is_patch_convolution(m.embedding):
+            m.embedding.__class__ = PatchGemm
+    return model
+
+
+PLAIN: dict[type, type] = {Linear: nn.Linear, CpuAttention: Attention, PatchGemm: nn.Conv2d}
+PLAIN[ContiguousResidualBlock] = EncoderBlock
+
+
+def uninstall(model: M, kinds: tuple[type, ...] = tuple(PLAIN)) -> M:
+    """Undo `install` (in place; returned): every layer of `kinds` back to the stock layer it extends."""
+    for m in model.modules():
+        if type(m) in kinds:
+            m.__class__ = PLAIN[type(m)]
+    return model

@@ -19,7 +19,6 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ViTConfig
 from .hybrid import ResNetStem
-from .kernels import Linear, attend, attend_explicit, linear
 
 # ----------------------------------------------------------------------------------------------------------
 # Position embeddings (E_pos of eq. 1, and the paper's Appendix D.4 ablations). Each kind is a module that
@@ -189,8 +188,8 @@ def build_posemb(config: ViTConfig) -> Posemb:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# MLP and multi-head self-attention (the two sub-layers of eqs. 2 and 3). Their linear layers are `kernels.Linear`
-# and their attention is `kernels.attend`: the same arithmetic, by the fastest kernel for the machine.
+# MLP and multi-head self-attention (the two sub-layers of eqs. 2 and 3): stock layers. `vitkit.kernels.install`
+# swaps in subclasses with the same parameters that run the fastest kernels for the machine.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -199,9 +198,9 @@ class MlpBlock(nn.Module):
 
     def __init__(self, dim: int, mlp_dim: int, act: str, dropout: float):
         super().__init__()
-        self.fc1 = Linear(dim, mlp_dim)
+        self.fc1 = nn.Linear(dim, mlp_dim)
         self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
-        self.fc2 = Linear(mlp_dim, dim)
+        self.fc2 = nn.Linear(mlp_dim, dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,15 +210,15 @@ class MlpBlock(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with fused q, k, v projections (Appendix A).
 
-    The fast path is `kernels.attend` (fused attention); when the attention probabilities are asked for, the same
-    computation is written out with an explicit softmax (`kernels.attend_explicit`) and the probabilities returned.
+    `F.scaled_dot_product_attention` (fused); when the attention probabilities are asked for, the same computation
+    is written out with an explicit softmax (`attend_explicit`) and the probabilities returned.
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool, attention_dropout: float):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
         self.attention_dropout = attention_dropout
 
     def forward(
@@ -235,9 +234,27 @@ class Attention(nn.Module):
             bias = bias[..., :queries, :].to(q.dtype)
         if need_weights:  # softmax(q k^T / sqrt(d) + bias) v written out, keeping the probabilities
             y, probs = attend_explicit(q, k, v, bias, p_drop)
-        else:  # the same by the fastest kernel for this device and dtype
-            y, probs = attend(q, k, v, bias, p_drop), None
+        else:
+            y, probs = self.attend(q, k, v, bias, p_drop), None
         return self.proj(y.transpose(1, 2).reshape(b, q.shape[2], d)), probs
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + bias) v over (B, H, N, d), by PyTorch's fused kernel."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+
+
+def attend_explicit(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention written out, and its probabilities (B, H, N, N): the two matmuls in q's dtype (or autocast's), the
+    softmax in fp32. The scale is a Python number, so a traced graph holds it as a constant."""
+    logits = (q * float(q.shape[-1]) ** -0.5) @ k.transpose(-2, -1)  # (B, H, N, N)
+    if bias is not None:
+        logits = logits + bias
+    probs = logits.float().softmax(dim=-1).to(v.dtype)
+    return (F.dropout(probs, dropout_p) @ v if dropout_p else probs @ v), probs
 
 
 class LayerScale(nn.Module):
@@ -285,9 +302,7 @@ class EncoderBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`queries`: compute the outputs of the first `queries` tokens only (B, queries, D); None: all."""
         y, probs = self.attn(self.norm1(x), bias, need_weights, queries)
-        # The residual's rows as a tensor of their own: inductor's int8 linear (vitkit.optimize's int8), fused with
-        # this add, misreads a strided addend (B, queries, D) cut from (B, N, D); the copy is B x D numbers.
-        x = x[:, :queries].contiguous() + self.drop_path1(self.ls1(self.drop(y)))  # z' = MSA(LN(z)) + z   (2)
+        x = x[:, :queries] + self.drop_path1(self.ls1(self.drop(y)))  # z' = MSA(LN(z)) + z   (2)
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))  # z = MLP(LN(z')) + z'    (3)
         return x, probs
 
@@ -344,8 +359,8 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(config, rate) for rate in rates)
         self.encoder_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
         rep = config.representation_size
-        self.pre_logits = nn.Sequential(Linear(dim, rep), nn.Tanh()) if rep else nn.Identity()
-        self.head = Linear(rep or dim, config.num_classes) if config.num_classes else nn.Identity()
+        self.pre_logits = nn.Sequential(nn.Linear(dim, rep), nn.Tanh()) if rep else nn.Identity()
+        self.head = nn.Linear(rep or dim, config.num_classes) if config.num_classes else nn.Identity()
         self.grad_checkpointing = False
         self.init_weights()
 
@@ -353,7 +368,7 @@ class VisionTransformer(nn.Module):
     def embed(self, x: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Images (B, C, H, W) -> z_0 (B, N, D): patch embedding, class token, position embedding, dropout."""
         check_images(x, self.config)
-        x = x.to(self.encoder_norm.weight.dtype)  # a bf16 copy (vitkit.optimize) takes fp32 images too
+        x = x.to(self.encoder_norm.weight.dtype)  # images in the model's dtype: a bf16 model takes fp32 images
         if self.stem is not None:
             x, stem_out = self.stem.forward_intermediates(x)
             if out is not None:
@@ -366,13 +381,9 @@ class VisionTransformer(nn.Module):
         return self.dropout(self.posemb(x))
 
     def patch_embed(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> x_p E (B, gh*gw, D): each P x P patch flattened (channel, row, column, the order of the
-        Conv2d weight E is stored in) and multiplied by E. This is the strided convolution written as the matrix
-        product it is; its backward is one GEMM, cheaper than the convolution's on a CPU."""
-        (b, c, h, w), (ph, pw) = x.shape, self.embedding.stride  # stride = kernel size, no padding
-        gh, gw = h // ph, w // pw  # not reshape(b, -1, ...): an empty batch leaves -1 undefined
-        patches = x.reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * ph * pw)
-        return linear(patches, self.embedding.weight.flatten(1), self.embedding.bias)
+        """(B, C, H, W) -> x_p E (B, gh*gw, D): every P x P patch projected by E, a convolution whose stride is its
+        kernel size, the patches in row-major order."""
+        return self.embedding(x).flatten(2).transpose(1, 2)
 
     # --- eqs. (2), (3), and the LN of (4) ------------------------------------------------------------------
     def encode(
@@ -449,7 +460,7 @@ class VisionTransformer(nn.Module):
         self.config = self.config.replace(num_classes=num_classes, representation_size=rep)
         self.head = nn.Identity()
         if num_classes:
-            self.head = Linear(rep or self.config.hidden_size, num_classes, device=ref.device, dtype=ref.dtype)
+            self.head = nn.Linear(rep or self.config.hidden_size, num_classes, device=ref.device, dtype=ref.dtype)
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
         self.class_names = None
