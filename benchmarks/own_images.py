@@ -12,7 +12,7 @@ With --tiny, each run trains on 64 of the training images: a check that the scri
 
 With --train-images, the batch study instead: for each number of training images (a fixed random subset of the
 train split), every batch of --batches up to it, each with --seeds seeds; beside them the batch vitkit's defaults
-pick for that many images (`recipes.fit_batch`).
+pick for that many images (`fitted.fit_batch`).
 
     python benchmarks/own_images.py --train-images 50 100 300 1437 --seeds 3 \
         --out benchmarks/results/own-images-digits-batch-<cpu>.json
@@ -211,8 +211,8 @@ def save(args: argparse.Namespace, benchmark: str, what: str, count: int, **fiel
 
 
 def batch_study(args: argparse.Namespace) -> None:
-    """Test top-1 against the batch on small training splits: the evidence for `recipes.fit_batch`."""
-    from vitkit.recipes import fit_batch
+    """Test top-1 against the batch on small training splits: the evidence for `fitted.fit_batch`."""
+    from vitkit.fitted import fit_batch
 
     splits = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,7 +239,7 @@ def batch_study(args: argparse.Namespace) -> None:
 
 def finetune_study(args: argparse.Namespace) -> None:
     """Test top-1, time and memory of fine-tuning a checkpoint on the folder at several resolutions, and with the
-    defaults: the evidence for the resolution `recipes.fit_to_data` gives a checkpoint on small images."""
+    defaults: the evidence for the resolution `fitted.fit_to_data` gives a checkpoint on small images."""
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         write, _, what = DATASETS[args.dataset]

@@ -28,8 +28,9 @@ from vitkit.architectures import new_model
 from vitkit.benchmark import record_header, write_record
 from vitkit.cli import _mapping
 from vitkit.evaluation import autocast
+from vitkit.fitted import fit_patch
 from vitkit.machine import bf16_is_native
-from vitkit.recipes import MAIN_JOB_MODEL_ARGS, fit_patch
+from vitkit.recipes import MAIN_JOB_MODEL_ARGS
 
 WRITTEN_OUT = kernels.attend_explicit
 

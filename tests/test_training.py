@@ -21,6 +21,7 @@ from vitkit import machine
 from vitkit.cli import main
 from vitkit.data import ImageArrayDataset, get_dataset
 from vitkit.distributed import World
+from vitkit.fitted import resolve
 from vitkit.machine import CUDA_NOTE_FILTER as compile_filter
 from vitkit.machine import resolve_precision
 from vitkit.model import resample_grid
@@ -95,9 +96,8 @@ def test_finetuning_resamples_the_posemb_in_2d_and_starts_from_a_zero_head(tmp_p
     base.normalization = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
     vitkit.export(base, tmp_path / "base.safetensors")
     dataset = get_dataset("shapes", "train", size=8, image_size=32)
-    model = initial_model(
-        TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), image_size=32, model_args={}), dataset
-    )
+    config = TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), image_size=32, model_args={})
+    model = initial_model(resolve(config, dataset), dataset)
     assert model.normalization is None  # fine-tuned on the official [-1, 1] input, as augment.train_batch makes it
     old = base.posemb.weight.detach()  # (1, 1 + 2*2, D)
     assert model.posemb.weight.shape == (1, 1 + 4 * 4, 16) and model.config.image_size == (32, 32)
@@ -150,9 +150,50 @@ def test_a_checkpoint_of_another_architecture_than_model_args_names_the_fields_t
         r"hidden_size 16 != 96, mlp_dim 32 != 192, num_layers 2 != 4 \(checkpoint "
         r"!= asked\)",
     ):
-        initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
-    same = initial_model(TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), model_args=dict(TINY)), dataset)
+        resolve(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
+    same = initial_model(
+        resolve(TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), model_args=TINY), dataset), dataset
+    )
     assert same.config.hidden_size == 16  # the checkpoint's own values are no change
+
+
+def test_a_run_surveys_its_data_fits_it_and_reads_its_checkpoint_once(tmp_path, monkeypatch):
+    from collections import Counter
+
+    from helpers import write_image_folder
+    from vitkit import checkpoints, fitted
+
+    calls: Counter[str] = Counter()
+
+    def count(module, name: str) -> None:
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    for module, name in ((fitted, "survey"), (fitted, "fit_to_data"), (checkpoints, "load_checkpoint")):
+        count(module, name)
+    train(shapes_config(tmp_path / "scratch", steps=1))
+    assert calls == {"survey": 1, "fit_to_data": 1}
+    # A checkpoint file, fine-tuned on 16 px shapes at 56 px, not its own 64 px: read once, resampled.
+    checkpoint = tmp_path / "base.safetensors"
+    vitkit.export(vitkit.create_model("ViT-Ti/8", image_size=64, num_classes=5, **TINY), checkpoint)
+    calls.clear()
+    train(shapes_config(tmp_path / "tuned", checkpoint=str(checkpoint), model_args={}, steps=1))
+    assert calls == {"survey": 1, "fit_to_data": 1, "load_checkpoint": 1}
+    # The transfer default: a small image folder fine-tunes the pre-trained ViT that `choose_start` picks (here, the
+    # same file).
+    monkeypatch.setattr(fitted, "is_installed", lambda name: True)
+    monkeypatch.setattr(fitted, "TRANSFER_CHECKPOINT", str(checkpoint))
+    folder = write_image_folder(tmp_path / "folder", per_class=4, classes=("cat", "dog"))
+    calls.clear()
+    train(shapes_config(tmp_path / "transfer", data=str(folder), data_args={}, model=None, batch_size=2, steps=1))
+    assert calls == {"survey": 1, "fit_to_data": 1, "load_checkpoint": 1}
+    recorded = json.loads((tmp_path / "transfer" / "config.json").read_text())["train"]
+    assert (recorded["checkpoint"], recorded["image_size"], recorded["optimizer"]) == (str(checkpoint), 56, "sgd")
 
 
 @pytest.fixture(scope="module")
@@ -301,13 +342,10 @@ def every_dataset(tmp_path) -> dict[str, dict]:
 
 def test_every_dataset_gets_a_model_that_fits_it_from_its_name_alone(tmp_path):
     from vitkit.data import to_input
-    from vitkit.data_survey import survey
-    from vitkit.recipes import fit_to_data
 
     for name, kwargs in every_dataset(tmp_path).items():
         dataset = get_dataset(name, "train", **kwargs)
-        config = fit_to_data(TrainConfig(data=name), survey(name, dataset))[0]
-        model = initial_model(config, dataset)
+        model = initial_model(resolve(TrainConfig(data=name), dataset), dataset)
         images = torch.stack([dataset[i][0] for i in range(2)])
         logits = model(to_input(images, model.config.image_size, model.config.in_chans))
         assert logits.shape == (2, len(dataset.classes)), name

@@ -1,13 +1,14 @@
 """What a dataset's images are like, read off a sample of them: their typical size and colour (`describe`, which a
 trained model keeps as `trained_on`, for `predict` to notice inputs unlike it), whether the dataset makes them at one
 size of its own, the augmentation it asks for, and whether mirroring keeps their class (`survey`, what
-`recipes.fit_to_data` chooses the defaults from)."""
+`fitted.fit_to_data` chooses the defaults from)."""
 
 from __future__ import annotations
 
 import torch
 
 from .data import ImageArrayDataset, LabelledDataset, dataset_augmentation, own_size, spread_indices, to_input
+from .recipes import SMALL_IMAGES
 
 
 def describe(name: str, dataset: LabelledDataset, probe: int = 16) -> dict:
@@ -28,12 +29,10 @@ def describe(name: str, dataset: LabelledDataset, probe: int = 16) -> dict:
 
 
 def survey(name: str, dataset: LabelledDataset, mirror: bool = True) -> dict:
-    """What `recipes.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), how many
+    """What `fitted.fit_to_data` needs to know of the images: `describe`'s (typical size, grayscale), how many
     `images` there are, whether the size is the dataset's `own_size` (else: image files), the augmentation it asks
     for, and with `mirror`, for small image files, whether mirroring keeps their class (`mirror_agreement`; None
     otherwise). The mirror test reads a thousand images: ask for it only where the flip is left to the defaults."""
-    from .recipes import SMALL_IMAGES
-
     crop_scale, flip = dataset_augmentation(dataset)
     seen = describe(name, dataset)
     files = own_size(dataset) is None

