@@ -3,7 +3,9 @@
     python benchmarks/train_step.py                      # the main job's model, bf16 and fp32, 2 threads
     python benchmarks/train_step.py --model-args num_heads=2 --precisions bf16
 
-Four ways to run the same step (forward, cross-entropy, backward, gradient clipping, AdamW):
+Five ways to run the same step (forward, cross-entropy, backward, gradient clipping, AdamW), each but the first with
+vitkit's kernels installed (`kernels.install`, as `vitkit train` does):
+- "eager, stock layers": the plain model (`nn.Linear`, SDPA, the patch embedding's convolution), fused AdamW;
 - "eager, Adam loop": the model as it runs without `--compile`, with AdamW's per-tensor loop;
 - "eager, fused Adam": the same with AdamW's fused kernel (what `vitkit train` uses);
 - "compiled, SDPA": `torch.compile` with attention left to `vitkit.kernels.attend_sdpa`, the SDPA kernel (in fp32
@@ -40,9 +42,11 @@ def sdpa(q, k, v, bias, dropout_p):
     return kernels.attend_sdpa(q, k, v, bias, dropout_p), None
 
 
-def step_runner(args, precision: str, compiled: bool, fused: bool, attention):
+def step_runner(args, precision: str, compiled: bool, fused: bool, attention, installed: bool = True):
     model = new_model(args.model, **{**MAIN_JOB_MODEL_ARGS, "num_classes": 10, "in_chans": 1, "image_size": 28,
                                      **args.model_args})  # fmt: skip
+    if installed:
+        kernels.install(model)
     net = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=fused or None)
     x = torch.randn(args.batch, model.config.in_chans, *model.config.image_size)
@@ -84,6 +88,7 @@ def main() -> None:
           f"training-step images/s, median of {args.rounds} interleaved rounds of >= {args.min_seconds} s")  # fmt: skip
     for precision in args.precisions:
         runs = {
+            "eager, stock layers": step_runner(args, precision, False, True, WRITTEN_OUT, installed=False),
             "eager, Adam loop": step_runner(args, precision, False, False, WRITTEN_OUT),
             "eager, fused Adam": step_runner(args, precision, False, True, WRITTEN_OUT),
             "compiled, SDPA": step_runner(args, precision, True, True, sdpa),

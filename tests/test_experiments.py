@@ -1,6 +1,7 @@
 """Every experiment's tiny preset runs end to end, writes well-formed results, and is not re-run."""
 
 import json
+import re
 
 import pytest
 
@@ -49,7 +50,8 @@ def test_every_tiny_experiment_writes_results_and_a_second_call_trains_nothing(t
         assert data["experiment"] == name and data["preset"] == "tiny" and data["records"]
         assert result.files["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         table = result.files["table"].read_text()
-        assert table.count("\n|") == len(data["table"]) + 2  # header, rule, one line per point
+        tables = len(exp.metrics) if exp.points else 1  # measured at points (translation): a table per metric
+        assert table.count("\n|") == tables * (len(data["table"]) + 2)  # header, rule, one line per point
         assert "| None |" not in table  # a label that does not apply (the frozen model's images) reads "-"
         for record in data["records"]:
             assert set(record["labels"]) >= {exp.series}
@@ -57,8 +59,8 @@ def test_every_tiny_experiment_writes_results_and_a_second_call_trains_nothing(t
             for metric, value in record["metrics"].items():
                 if metric == "attention_distance":
                     assert all(d >= 0 for layer in value for d in layer)
-                else:
-                    assert 0.0 <= value <= 1.0, (name, metric, value)
+                else:  # a fraction, or a cosine similarity (equivariance)
+                    assert (-1.0 if metric.startswith("equivariance") else 0.0) <= value <= 1.0, (name, metric, value)
         assert any(m in r["metrics"] for r in data["records"] for m in ("accuracy", "attention_distance"))
     partial = json.loads((tmp_path / "partial-finetuning" / "results.json").read_text())["table"]
     trainable = {row["labels"]["trainable"]: row["trainable_params"] for row in partial}
@@ -73,6 +75,7 @@ def test_from_scratch_runs_build_the_checkpoints_own_architecture(tmp_path):
     import vitkit
     from vitkit.data import get_dataset
     from vitkit.experiments import PRESETS, Setting, _checkpoint_architecture
+    from vitkit.fitted import resolve
     from vitkit.recipes import TrainConfig
     from vitkit.training import initial_model
 
@@ -89,7 +92,8 @@ def test_from_scratch_runs_build_the_checkpoints_own_architecture(tmp_path):
     )
     vitkit.export(pre, tmp_path / "pre.safetensors")
     arch = _checkpoint_architecture(Setting(PRESETS["tiny"], 1, str(tmp_path / "pre.safetensors")))
-    scratch = initial_model(TrainConfig(data="shapes", image_size=28, **arch), get_dataset("shapes", size=8))
+    shapes = get_dataset("shapes", size=8)
+    scratch = initial_model(resolve(TrainConfig(data="shapes", image_size=28, **arch), shapes), shapes)
     assert scratch.config.replace(num_classes=0) == pre.config
 
 
@@ -120,3 +124,40 @@ def test_experiments_share_the_trainings_they_have_in_common(tmp_path):
         == keys["pretraining"][label(method="from scratch", images=n)]
     )
     assert len(set(keys["data-scaling"].values())) == len(keys["data-scaling"])  # distinct runs stay distinct
+
+
+@pytest.mark.slow
+def test_the_tiny_attribution_experiment_writes_a_row_per_model_and_method(tmp_path):
+    from vitkit.attribution import ATTENTION_METHODS, LABELS, METHODS
+
+    result = experiment("attribution", preset="tiny", out=tmp_path, threads=1, progress=False)
+    data = json.loads(result.files["results"].read_text())
+    table = result.files["table"].read_text()
+    assert "| model | method | architecture | params | GFLOPs | top-1 % | deletion AUC | insertion AUC |" in table
+    rows = {(r["labels"]["model"], r["labels"]["method"]): r for r in data["records"]}
+    assert set(rows) == {(m, k) for m in ("ViT", "ViT-S/14 fine-tuned", "ResNet") for k in (*METHODS, "random")}
+    for (model, method), record in rows.items():
+        skipped = model == "ResNet" and method in ATTENTION_METHODS
+        assert ("deletion_auc" in record["metrics"]) != skipped, (model, method)
+        assert ("no attention layers" in record["attribution"].get("skipped", "")) == skipped, (model, method)
+        if not skipped and method != "random":
+            assert record["attribution"]["reading"].startswith(f"{LABELS[method]} ranks patches"), (model, method)
+    for model in ("ViT", "ResNet"):
+        line = next(line for line in table.splitlines() if line.startswith(f"| {model} | occlusion |"))
+        assert re.search(r"\| 0\.\d{3} \(n=1\) \| 0\.\d{3} \(n=1\) \|$", line), line
+    # Each model's methods are measured together once: a second call measures and trains nothing.
+    again = experiment("attribution", preset="tiny", out=tmp_path, threads=1, progress=False)
+    assert again.trained == 0 and again.measured == 0
+
+
+def test_the_attribution_experiment_measures_the_models_other_experiments_train(tmp_path):
+    from vitkit.experiment_runs import run_key, stand_in_checkpoint
+
+    setting = Setting(PRESETS["tiny"], 1, stand_in_checkpoint(tmp_path, PRESETS["tiny"]))
+    keys = lambda name: {tuple(sorted(r.labels.items())): run_key(r) for r in EXPERIMENTS[name].runs(setting)}  # noqa: E731
+    attribution, scaling, pretraining = keys("attribution"), keys("data-scaling"), keys("pretraining")
+    full, n = PRESETS["tiny"].subsets[-1], PRESETS["tiny"].pretrained_subsets[-1]
+    at = lambda model: attribution[(("method", "rollout"), ("model", model), ("seed", 0))]  # noqa: E731
+    assert at("ViT") == scaling[(("images", full), ("model", "ViT"), ("seed", 0))]
+    assert at("ResNet") == scaling[(("images", full), ("model", "ResNet"), ("seed", 0))]
+    assert at("ViT-S/14 fine-tuned") == pretraining[(("images", n), ("method", "fine-tune"), ("seed", 0))]

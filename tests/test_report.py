@@ -13,6 +13,7 @@ import vitkit
 from helpers import tiny
 from shapes_vit import trained_shapes_vit
 from vitkit import analysis as vi
+from vitkit import attribution as at
 from vitkit.cli import main
 from vitkit.data import ShapesDataset, get_dataset
 from vitkit.model import VisionTransformer
@@ -58,7 +59,8 @@ def test_inspect_cli_on_a_trained_model_writes_a_self_contained_report(tmp_path,
     assert "report.html" in capsys.readouterr().out
     html = (out / "report.html").read_text()
     pngs = embedded_pngs(html)
-    figures = {"saliency", "attention_maps", "attention_distance", "posemb_similarity", "embedding_filters"}
+    figures = {"saliency", "faithfulness", "attention_maps", "attention_distance", "posemb_similarity"}
+    figures |= {"embedding_filters"}
     assert {p.stem for p in out.glob("*.png")} == figures
     assert len(pngs) == len(figures)
     assert not re.search(r"""(src|href)=["']?(https?:|file:|/)""", html), "the report links outside itself"
@@ -105,7 +107,7 @@ def test_report_explains_figures_a_model_cannot_have(tmp_path):
     html = write_report(hybrid.eval(), samples, tmp_path).read_text()
     assert "not image patches" in html and "posemb=&#x27;relative&#x27; adds no per-patch embedding" in html
     assert not (tmp_path / "embedding_filters.png").exists() and not (tmp_path / "posemb_similarity.png").exists()
-    assert len(embedded_pngs(html)) == 3
+    assert len(embedded_pngs(html)) == 4  # saliency, faithfulness, attention maps, attention distance
 
 
 @pytest.mark.parametrize("classifier", ["token", "gap"])
@@ -123,8 +125,52 @@ def test_report_of_a_headless_backbone_says_occlusion_measures_its_features(tmp_
     html = write_report(tiny(num_classes=0), samples, tmp_path / "backbone").read_text()
     assert OCCLUSION_CAPTIONS[vi.FEATURES] in html and OCCLUSION_CAPTIONS[vi.PROBABILITY] not in html
     assert "no classification head" in html and "none, no head (a backbone: num_classes=0)" in html
+    assert "deletion and insertion follow a class probability" in html and "faithfulness.png" not in html
     html = write_report(tiny(), samples, tmp_path / "classifier").read_text()
     assert OCCLUSION_CAPTIONS[vi.PROBABILITY] in html and "no classification head" not in html
+
+
+@pytest.mark.slow
+def test_report_scores_each_map_by_deletion_and_insertion_with_a_reading(tmp_path):
+    torch.manual_seed(0)
+    model = tiny()
+    with torch.no_grad():
+        model.head.weight.normal_()  # a zero head gives every class the same probability: flat curves
+    samples = Samples(torch.rand(2, 3, 32, 32) * 2 - 1, ["a", "b"])
+    html = write_report(model, samples, tmp_path).read_text()
+    section = html.split('<section id="faithfulness">', 1)[1].split("</section>", 1)[0]
+    for method in at.METHODS:
+        label = at.LABELS[method]
+        assert re.search(rf"<th>{label}</th><td>0\.\d{{3}}</td><td>0\.\d{{3}}</td><td>0\.\d\d / 0\.\d\d</td>", section)
+        assert re.search(rf"<li>{label} ranks patches [^<]* on this model \(deletion AUC 0\.\d{{3}} against", section)
+    assert "<th>random ordering</th>" in section and "<b>blur</b>" in section and "(seed 0)" in section
+    assert (tmp_path / "faithfulness.png").exists()
+
+
+@pytest.mark.slow
+def test_report_differentiates_the_gradient_model_when_the_model_computes_none(tmp_path):
+    class NoGradient(VisionTransformer):  # as vitkit.optimize's copies: the same logits, no gradient to the input
+        def forward(self, x):
+            return super().forward(x.detach())
+
+    model = tiny()
+    copy = NoGradient(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    samples = Samples(torch.rand(1, 3, 32, 32) * 2 - 1, ["noise"])
+    with pytest.raises(ValueError, match="passes no gradient to its input"):
+        write_report(copy, samples, tmp_path / "alone")
+    html = write_report(copy, samples, tmp_path / "with", gradient_model=model).read_text()
+    assert "<th>integrated gradients</th>" in html
+
+
+def test_faithfulness_plan_counts_the_forward_passes_before_they_run():
+    from vitkit.report import FAITHFULNESS_ORDERINGS, faithfulness_plan
+
+    model = tiny()  # 4x4 patches: 16 steps, 17 points per curve
+    passes = at.forward_passes(model, 3, at.METHODS, 16, FAITHFULNESS_ORDERINGS)
+    plan = faithfulness_plan(model, 3)
+    assert f"x 17 points = {passes['curves']:,} forward passes" in plan and f"{passes['maps']:,} more" in plan
+    assert faithfulness_plan(tiny(num_classes=0), 3).startswith("faithfulness: none")
 
 
 def test_dataset_samples_scale_object_boxes_to_a_non_square_model():

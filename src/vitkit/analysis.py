@@ -9,6 +9,8 @@ Everything here reads the model's own weights or its named intermediates (`forwa
 - `occlusion_sensitivity`: how much the prediction drops when a region is hidden (for a backbone without a
   head: how much its feature vector changes), an attribution to set beside the attention maps, which are not one.
 - `localisation`: how often such a map points inside a known object box, against chance.
+
+`vitkit.attribution` scores such maps by what they explain: deletion and insertion against random orderings.
 """
 
 from __future__ import annotations
@@ -304,43 +306,46 @@ def occlusion_sensitivity(
     h, w = image.shape[-2:]
     windows = occlusion_windows((h, w), patch, stride)
     colour = image.mean(dim=(-2, -1))[0, :, None, None] if fill is None else fill  # (C, 1, 1) or a scalar
-    headless = has_no_head(model)
-    if headless and target is not None:
-        raise ValueError(
-            f"target={target}: the model has no head (num_classes=0), so no classes to target; leave target out "
-            "and the occlusion map measures the change of its features."
-        )
     was_training = model.training
     model.eval()
-    reference = model(image)
-    score: Callable[[torch.Tensor], torch.Tensor]  # of each occluded image's output, as for the reference
-    unoccluded: float | torch.Tensor
-    if headless:
-        features = reference.float()
-        score = lambda out: F.cosine_similarity(out.float(), features, dim=-1)  # 1.0 for the unoccluded image
-        target, unoccluded = None, 1.0
-    else:
-        probs = reference.softmax(dim=-1)[0]
-        target = int(probs.argmax()) if target is None else target
-        if not 0 <= target < probs.shape[0]:
-            raise ValueError(f"target={target} is not a class of this model: use 0..{probs.shape[0] - 1}.")
-        score = lambda out: out.softmax(dim=-1)[:, target]
-        unoccluded = probs[target]
-    drops = []
-    for start in range(0, len(windows), batch_size):
-        chunk = windows[start : start + batch_size]
-        occluded = image.repeat(len(chunk), 1, 1, 1)
-        for i, (t, left) in enumerate(chunk):
-            occluded[i, :, t : t + patch, left : left + patch] = colour
-        drops.append(unoccluded - score(model(occluded)))
-        if on_batch is not None:
-            on_batch(len(chunk))
-    model.train(was_training)
+    try:
+        score, target, unoccluded = _occlusion_score(model, model(image), target)
+        drops = []
+        for start in range(0, len(windows), batch_size):
+            chunk = windows[start : start + batch_size]
+            occluded = image.repeat(len(chunk), 1, 1, 1)
+            for i, (t, left) in enumerate(chunk):
+                occluded[i, :, t : t + patch, left : left + patch] = colour
+            drops.append(unoccluded - score(model(occluded)))
+            if on_batch is not None:
+                on_batch(len(chunk))
+    finally:
+        model.train(was_training)
     total, count = torch.zeros(h, w), torch.zeros(h, w)
     for (t, left), drop in zip(windows, torch.cat(drops).float().cpu()):
         total[t : t + patch, left : left + patch] += drop
         count[t : t + patch, left : left + patch] += 1
-    return Occlusion(total / count, target, float(unoccluded), FEATURES if headless else PROBABILITY)
+    return Occlusion(total / count, target, float(unoccluded), PROBABILITY if target is not None else FEATURES)
+
+
+def _occlusion_score(
+    model: nn.Module, reference: torch.Tensor, target: int | None
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], int | None, float | torch.Tensor]:
+    """What occlusion measures on each occluded image's output, the class it targets (None without a head), and
+    its value on the unoccluded image, whose output is `reference` (1, classes or features)."""
+    if has_no_head(model):
+        if target is not None:
+            raise ValueError(
+                f"target={target}: the model has no head (num_classes=0), so no classes to target; leave target "
+                "out and the occlusion map measures the change of its features."
+            )
+        features = reference.float()
+        return lambda out: F.cosine_similarity(out.float(), features, dim=-1), None, 1.0  # 1.0: unoccluded
+    probs = reference.softmax(dim=-1)[0]
+    target = int(probs.argmax()) if target is None else target
+    if not 0 <= target < probs.shape[0]:
+        raise ValueError(f"target={target} is not a class of this model: use 0..{probs.shape[0] - 1}.")
+    return lambda out: out.softmax(dim=-1)[:, target], target, probs[target]
 
 
 def has_no_head(model: nn.Module) -> bool:

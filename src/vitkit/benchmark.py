@@ -313,18 +313,50 @@ def bench(
     `compile=True` adds `torch.compile`d training steps. `min_seconds`: each timing repeats calls until it
     lasts that long; `rounds`: interleaved repetitions, the median kept.
     """
-    from tqdm import tqdm
+    _check_bench_arguments(precisions, modes, rounds, image_sizes, batch_sizes)
+    device = torch.device(device)
+    base = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
+    result = _bench_record(model, base, device, rounds, min_seconds, memory_budget_gb)
+    per_group = sum(len(_cells_of(p, device, modes, train, compile)) for p in precisions)
+    bar = _progress_bar(len(image_sizes) * len(batch_sizes) * per_group * (rounds + 1), progress)
+    for size in image_sizes:
+        config = base.replace(image_size=size)
+        net = VisionTransformer(config).to(device).eval()
+        for batch in batch_sizes:
+            cells = _group_cells(config, net, batch, precisions, device, modes, train, compile)
+            _measure(cells, device, rounds, min_seconds, bar)
+            result["rows"] += _rows(cells, size, batch)
+    bar.close()
+    result["largest_batch"] = largest_batches(result["rows"], memory_budget_gb)
+    return result
 
+
+def _check_bench_arguments(
+    precisions: tuple[str, ...],
+    modes: tuple[str, ...],
+    rounds: int,
+    image_sizes: tuple[int, ...],
+    batch_sizes: tuple[int, ...],
+) -> None:
     for name, values, allowed in (("precisions", precisions, BENCH_PRECISIONS), ("modes", modes, MODES)):
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             raise ValueError(f"{name}={values!r}: choose from {', '.join(allowed)}.")
     if rounds < 1 or not image_sizes or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"rounds={rounds}, batch_sizes={batch_sizes}: need at least one round, batch and size.")
-    device = torch.device(device)
-    base = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
+
+
+def _bench_record(
+    model: str | ViTConfig,
+    base: ViTConfig,
+    device: torch.device,
+    rounds: int,
+    min_seconds: float,
+    memory_budget_gb: float | None,
+) -> dict[str, Any]:
+    """The record `bench` fills: its header, the model and the settings, with no rows yet."""
     header = record_header("bench")
-    result: dict[str, Any] = {
+    return {
         **header,
         "model": model if isinstance(model, str) else "custom",
         "config": base.to_dict(),
@@ -333,66 +365,81 @@ def bench(
         "rows": [],
         "largest_batch": [],
     }
-    groups = [(size, batch) for size in image_sizes for batch in batch_sizes]
-    per_group = sum(len(_cells_of(p, device, modes, train, compile)) for p in precisions)
-    bar = tqdm(
-        total=len(groups) * per_group * (rounds + 1),
-        desc="vitkit bench",
-        disable=None if progress else True,
-        unit="cell",
-    )
-    for size in image_sizes:
-        config = base.replace(image_size=size)
-        net = VisionTransformer(config).to(device).eval()
-        for batch in batch_sizes:
-            x = torch.randn(batch, config.in_chans, *config.image_size, device=device)
-            cells: list[_Cell] = []
-            for precision in precisions:
-                for kind, mode in _cells_of(precision, device, modes, train, compile):
-                    if kind == "matmul":
-                        cells.append(_matmul_cell(config, precision, batch, device, mode))
-                    elif kind == "inference":
-                        cells.append(_inference_cell(net, precision, mode, x, config))
-                    else:
-                        cells.append(_train_cell(config, precision, x, compile=mode == "compiled"))
-            for cell in cells:  # warm-up (and compilation), then the peak memory of one call
-                cell.run()
-                _sync(device)
-                static = _state_bytes(*cell.state)  # after the first call: the packings it made are there
-                if cell.kind != "matmul" and cell.mode != "compiled" and cell.precision != "int8":  # int8 is compiled
-                    cell.memory = _measure_memory(cell, static)
-                cell.rates = []
-                bar.update(1)
-            for _ in range(rounds):
-                for cell in cells:
-                    cell.rates.append(_time(cell, device, min_seconds))
-                    bar.update(1)
-            peak: dict[str, float] = {}  # the machine's matmul rate: its faster GEMM
-            for c in cells:
-                if c.kind == "matmul":
-                    peak[c.precision] = max(peak.get(c.precision, 0.0), c.flops / statistics.median(c.rates))
-            for cell in cells:
-                seconds = statistics.median(cell.rates)
-                row = {
-                    "image_size": size,
-                    "batch": batch,
-                    "precision": cell.precision,
-                    "kind": cell.kind,
-                    "mode": cell.mode,
-                    "gflops_per_s": cell.flops / seconds / 1e9,
-                    "rounds_s": cell.rates,  # seconds per call, each round
-                }
-                # int8 has no GEMM of its own timed beside it
-                row["fraction_of_matmul"] = (
-                    cell.flops / seconds / peak[cell.precision] if cell.precision in peak else None
-                )
-                if cell.kind != "matmul":
-                    row["images_per_s"] = cell.images / seconds
-                    row["peak_memory_mb"] = None if cell.memory is None else cell.memory / 2**20
-                result["rows"].append(row)
-    bar.close()
-    result["largest_batch"] = largest_batches(result["rows"], memory_budget_gb)
-    return result
+
+
+def _progress_bar(total: int, progress: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="vitkit bench", disable=None if progress else True, unit="cell")
+
+
+def _group_cells(
+    config: ViTConfig,
+    net: VisionTransformer,
+    batch: int,
+    precisions: tuple[str, ...],
+    device: torch.device,
+    modes: tuple[str, ...],
+    train: bool,
+    compile: bool,
+) -> list[_Cell]:
+    """The cells of one resolution and batch size, every precision's, all on the same random images."""
+    x = torch.randn(batch, config.in_chans, *config.image_size, device=device)
+    cells: list[_Cell] = []
+    for precision in precisions:
+        for kind, mode in _cells_of(precision, device, modes, train, compile):
+            if kind == "matmul":
+                cells.append(_matmul_cell(config, precision, batch, device, mode))
+            elif kind == "inference":
+                cells.append(_inference_cell(net, precision, mode, x, config))
+            else:
+                cells.append(_train_cell(config, precision, x, compile=mode == "compiled"))
+    return cells
+
+
+def _measure(cells: list[_Cell], device: torch.device, rounds: int, min_seconds: float, bar: Any) -> None:
+    """Each cell's warm-up (and compilation) and peak memory, then its seconds per call in each of `rounds`
+    interleaved rounds (`cell.rates`)."""
+    for cell in cells:
+        cell.run()
+        _sync(device)
+        static = _state_bytes(*cell.state)  # after the first call: the packings it made are there
+        if cell.kind != "matmul" and cell.mode != "compiled" and cell.precision != "int8":  # int8 is compiled
+            cell.memory = _measure_memory(cell, static)
+        cell.rates = []
+        bar.update(1)
+    for _ in range(rounds):
+        for cell in cells:
+            cell.rates.append(_time(cell, device, min_seconds))
+            bar.update(1)
+
+
+def _rows(cells: list[_Cell], size: int, batch: int) -> list[dict[str, Any]]:
+    """The record's rows of one resolution and batch size, each model's FLOP/s beside the machine's matmul rate."""
+    peak: dict[str, float] = {}  # the machine's matmul rate: its faster GEMM
+    for c in cells:
+        if c.kind == "matmul":
+            peak[c.precision] = max(peak.get(c.precision, 0.0), c.flops / statistics.median(c.rates))
+    return [_row(cell, size, batch, peak) for cell in cells]
+
+
+def _row(cell: _Cell, size: int, batch: int, peak: dict[str, float]) -> dict[str, Any]:
+    seconds = statistics.median(cell.rates)
+    row: dict[str, Any] = {
+        "image_size": size,
+        "batch": batch,
+        "precision": cell.precision,
+        "kind": cell.kind,
+        "mode": cell.mode,
+        "gflops_per_s": cell.flops / seconds / 1e9,
+        "rounds_s": cell.rates,  # seconds per call, each round
+    }
+    # int8 has no GEMM of its own timed beside it
+    row["fraction_of_matmul"] = cell.flops / seconds / peak[cell.precision] if cell.precision in peak else None
+    if cell.kind != "matmul":
+        row["images_per_s"] = cell.images / seconds
+        row["peak_memory_mb"] = None if cell.memory is None else cell.memory / 2**20
+    return row
 
 
 def largest_batches(rows: list[dict], budget_gb: float | None) -> list[dict]:

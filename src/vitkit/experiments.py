@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .attribution import METHODS as ATTRIBUTION_METHODS
+from .attribution import RANDOM
 from .checkpoints import ARCHITECTURE_FIELDS, load_checkpoint
 from .config import ViTConfig
 from .recipes import SMALL_MODEL_ARGS, SMALL_RECIPE
@@ -39,6 +41,11 @@ class Preset:
     l2: float = 1.0
     attention_images: int = 32  # test images for the mean attention distance
     fewshot_test: int | None = None  # test images for few-shot accuracy (None: the whole split)
+    shifts: tuple[int, ...] = (0, 1, 2, 4, 8)  # translation, in pixels: 1 px, half, 1 and 2 of the ViT's 4 px patches
+    shift_padding: str = "zero"  # what fills the pixels a shift uncovers (`vitkit.translation.PADDINGS`)
+    translation_images: int | None = None  # test images shifted (None: the whole split)
+    attribution_images: int = 8  # test images whose attribution maps are scored by deletion and insertion
+    attribution_patch: int = 4  # px: the patch grid a model without one (the ResNet) is ranked on, the ViT's
 
 
 TINY_MODEL = {"hidden_size": 32, "num_layers": 2, "mlp_dim": 64, "num_heads": 2}
@@ -77,6 +84,8 @@ PRESETS: dict[str, Preset] = {
         pretrained_train=dict(image_size=56, steps=60, batch_size=32),  # ViT-S/14 at 56 px: 4x4 patches
         learning_rates=(3e-4, 1e-3, 3e-3),
         fewshot_test=2000,
+        translation_images=2000,
+        attribution_images=300,
     ),
 }
 
@@ -85,7 +94,7 @@ PRESETS: dict[str, Preset] = {
 class Run:
     """One point of an experiment: `labels` place it (e.g. {"model": "ViT", "images": 1000}); `train` are the
     TrainConfig fields of its training, or None to measure `checkpoint` as it is; `measure` names what is
-    measured on the model: "accuracy" (test top-1 after training), "fewshot", "attention_distance"."""
+    measured on the model: "accuracy" (test top-1 after training), "fewshot", "attention_distance", "translation"."""
 
     labels: dict[str, Any]
     train: dict[str, Any] | None
@@ -113,10 +122,11 @@ class Experiment:
     x: str | None = None  # the label on the x axis (numeric: lines; None: bars by series)
     metrics: tuple[str, ...] = ("accuracy",)
     log_x: bool = False
+    points: str | None = None  # what each run is measured at, its metrics named "<metric>@<point>": a table per metric
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The seven experiments.
+# The experiments.
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -206,11 +216,14 @@ def _vit_with(s: Setting, **model_args: Any) -> dict[str, Any]:
     return {"model": s.preset.vit["model"], "model_args": {**s.preset.vit["model_args"], **model_args}}
 
 
+POSEMBS = {"none": "none", "1D": "learn", "2D": "learn2d", "relative": "relative"}  # Table 8's, by `posemb` kind
+
+
 def posemb(s: Setting) -> list[Run]:
     return [
         Run({"posemb": name, "seed": seed}, _scratch(s, _vit_with(s, posemb=kind), seed), ("accuracy", "fewshot"))
         for seed in range(s.seeds)
-        for name, kind in (("none", "none"), ("1D", "learn"), ("2D", "learn2d"), ("relative", "relative"))
+        for name, kind in POSEMBS.items()
     ]
 
 
@@ -266,6 +279,35 @@ def attention_distance(s: Setting) -> list[Run]:
             for seed in range(s.seeds)
         ],
     ]
+
+
+def translation_runs(s: Setting) -> list[Run]:
+    """A ViT with every kind of position embedding (the posemb experiment's runs and a sin-cos one) and the ResNet
+    (data-scaling's at the full set), each measured on shifted test images."""
+    vits = [(f"ViT {name}", _vit_with(s, posemb=kind)) for name, kind in {**POSEMBS, "sincos": "sincos2d"}.items()]
+    return [
+        Run({"model": name, "seed": seed}, _scratch(s, arch, seed), ("accuracy", "translation"))
+        for seed in range(s.seeds)
+        for name, arch in (*vits, ("ResNet", s.preset.bit))
+    ]
+
+
+def attribution_runs(s: Setting) -> list[Run]:
+    """The small ViT and the ResNet from scratch (data-scaling's at the full set) and the pre-trained ViT-S/14
+    fine-tuned (pretraining's at the larger subset), each with every attribution method and the random floor: a run
+    per model and method, one training and one measurement of all methods per model."""
+    p = s.preset
+    runs = []
+    for seed in range(s.seeds):
+        models = (
+            ("ViT", _scratch(s, p.vit, seed)),
+            ("ViT-S/14 fine-tuned", _from_checkpoint(s, seed, train_images=p.pretrained_subsets[-1])),
+            ("ResNet", _scratch(s, p.bit, seed)),
+        )
+        for name, train in models:
+            for method in (*ATTRIBUTION_METHODS, RANDOM):
+                runs.append(Run({"model": name, "method": method, "seed": seed}, train, ("accuracy", "attribution")))
+    return runs
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -335,6 +377,27 @@ EXPERIMENTS: dict[str, Experiment] = {
             attention_distance,
             series="model",
             metrics=("attention_distance",),
+        ),
+        Experiment(
+            "translation",
+            "Shifted test images: ViT with each position embedding against the ResNet",
+            "(Not a figure of the paper.) Sec. 3.1: a CNN has translation equivariance in every layer, a ViT much "
+            "less image-specific inductive bias (a fixed patch grid, absolute position embeddings). Does the "
+            "prediction stay when the image moves by 1 px to 2 patches, and does the feature map move with it?",
+            translation_runs,
+            series="model",
+            metrics=("accuracy", "agreement", "equivariance"),
+            points="shift (px)",
+        ),
+        Experiment(
+            "attribution",
+            "Attribution faithfulness: deletion and insertion AUC of each map against random orderings",
+            "(Not a figure of the paper.) Figs. 6 and 14 show attention rollout as where the model looks; an "
+            "attention map is one layer's and head's mixing weights, not a region's contribution to the class. "
+            "Which map ranks the patches the prediction depends on, and do attention maps beat a random order?",
+            attribution_runs,
+            series="method",
+            metrics=("accuracy", "deletion_auc", "insertion_auc"),
         ),
     )
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import io
 import os
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from . import analysis as vi
+from . import attribution as at
 from .augment import model_input
 from .data import DATASETS, get_dataset, spread_indices
 from .errors import ImageError
@@ -31,6 +33,9 @@ from .model import VisionTransformer
 
 DPI = 100
 PER_ROW = 6  # images per row of the saliency figure
+FAITHFULNESS_STEPS = 16  # points of each deletion and insertion curve in the report (at most one per patch)
+FAITHFULNESS_ORDERINGS = 3  # random orderings averaged for the floor
+FAITHFULNESS_SHOWN = 8  # images whose maps the faithfulness figure draws; its table has every image
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,30 @@ def plot_saliency(
     return fig
 
 
+def plot_faithfulness(samples: Samples, result: at.Faithfulness) -> Figure:
+    """Rows: the input, then each method's per-patch map over it (bright: ranked first), titled with its deletion
+    and insertion AUC; one column per image (the first `FAITHFULNESS_SHOWN`)."""
+    n, rows = min(samples.images.shape[0], FAITHFULNESS_SHOWN), (None, *result.methods)
+    fig = Figure(figsize=(1.45 * n + 1.2, 1.5 * len(rows)), dpi=DPI)
+    for column in range(n):
+        shown = _display(samples.images[column], samples.normalization)
+        for r, method in enumerate(rows):
+            ax = fig.add_subplot(len(rows), n, r * n + column + 1)
+            if method is None:
+                ax.imshow(shown, cmap="gray")
+                ax.set_title(samples.titles[column], fontsize=7)
+            else:
+                heat = result.maps[method][column].numpy()
+                ax.imshow(_overlay(shown, heat - heat.min()))
+                d, i = result.deletion[method][column], result.insertion[method][column]
+                ax.set_title(f"del {d:.2f}  ins {i:.2f}", fontsize=6)
+            _off(ax)
+            if column == 0:
+                ax.set_ylabel("input" if method is None else at.LABELS[method], fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def _prediction(occ: vi.Occlusion, class_names: list[str] | None) -> str:
     """What the occlusion map is measured against: the predicted class, or for a headless model its features."""
     if occ.target is None:
@@ -311,6 +340,16 @@ CAPTIONS = {
         "found the 2D layout shows a bright spot at the patch's own place and row and column structure; "
         "'sincos2d' has it by construction. Untrained or briefly trained embeddings look like noise."
     ),
+    "faithfulness": (
+        "Which map explains the decision? Each method's map per patch (bright: ranked first) over each image, "
+        "titled with its <b>deletion</b> and <b>insertion</b> AUC (<code>vitkit.attribution</code>). Deletion "
+        "replaces the patches, highest-ranked first, with the removal baseline and follows the probability of the "
+        "predicted class, which a faithful map makes fall fast (low area); insertion reveals them in the same order "
+        "on the baseline image, where it should rise fast (high area). Baseline: <b>{baseline}</b>, {description}; "
+        "the scores depend on it. {steps} steps per curve; the floor is the mean of {orderings} random orderings "
+        "(seed 0). Attention shows mixing weights, not a region's contribution to the class: these numbers say "
+        "whether a map ranks the patches the prediction depends on, on this model and these images."
+    ),
     "embedding_filters": (
         "Principal components of the patch-embedding filters E (paper Fig. 7 left), strongest first, each "
         "rescaled to the full colour range ({note}). The sign of a component is arbitrary. Trained on enough "
@@ -334,12 +373,13 @@ OCCLUSION_CAPTIONS = {
 }
 
 
-def _figure_html(name: str, data: bytes, heading: str, caption: str) -> str:
+def _figure_html(name: str, data: bytes, heading: str, caption: str, extra: str = "") -> str:
+    """A section of the page: the figure, its caption, and `extra` HTML after them."""
     uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
     return (
         f'<section id="{name}"><h2>{html.escape(heading)}</h2>'
         f'<figure><img src="{uri}" alt="{html.escape(heading)}"><figcaption>{caption}</figcaption></figure>'
-        "</section>"
+        f"{extra}</section>"
     )
 
 
@@ -386,6 +426,33 @@ th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; } th { back
 """
 
 
+def faithfulness_methods() -> tuple[list[str], str]:
+    """The attribution methods the report measures, and a note on those left out (Captum not installed)."""
+    if importlib.util.find_spec("captum") is None:
+        kept = [m for m in at.METHODS if m not in at.CAPTUM_METHODS]
+        return kept, "Integrated gradients and gradient x input are left out: they need Captum (pip install captum)."
+    return list(at.METHODS), ""
+
+
+def _faithfulness_steps(model: VisionTransformer) -> int:
+    gh, gw = model.config.grid_size
+    return min(gh * gw, FAITHFULNESS_STEPS)
+
+
+def faithfulness_plan(model: VisionTransformer, images: int) -> str:
+    """What the faithfulness section will cost, said before it is computed."""
+    if vi.has_no_head(model):
+        return "faithfulness: none (the model has no head, so no class probability to follow)"
+    methods, _ = faithfulness_methods()
+    steps = _faithfulness_steps(model)
+    passes = at.forward_passes(model, images, methods, steps, FAITHFULNESS_ORDERINGS)
+    return (
+        f"faithfulness: {images} image(s) x ({len(methods)} maps + {FAITHFULNESS_ORDERINGS} random orderings) x 2 "
+        f"curves x {steps + 1} points = {passes['curves']:,} forward passes; the maps {passes['maps']:,} more, "
+        f"and {passes['backward']:,} backward passes"
+    )
+
+
 def occlusion_plan(model: VisionTransformer, images: int, stride: int | None = None) -> str:
     """What the occlusion maps will cost, said before they are computed: forward passes in all, and how a
     coarser `stride` would cut them."""
@@ -411,34 +478,18 @@ def write_report(
     stride: int | None = None,
     progress: bool = False,
     overwrite: bool = False,
+    gradient_model: VisionTransformer | None = None,
 ) -> Path:
-    """Compute every figure of `vitkit.analysis` for `model` on `samples`, write each as a PNG into `out_dir`
-    and all of them, embedded, into `out_dir/report.html`; returns the path of the HTML file. `stride` is the
-    occlusion windows' (default: half a patch); `progress` shows a bar of the occlusion forward passes on a
-    terminal. A non-empty `out_dir` is a FileExistsError unless `overwrite`."""
-    from tqdm import tqdm
-
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file: the report is a folder (PNGs and report.html); give a new path.")
-    refuse_overwrite(out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
+    """Compute every figure of `vitkit.analysis` for `model` on `samples`, and the faithfulness of its maps
+    (`vitkit.attribution`), write each figure as a PNG into `out_dir` and all of them, embedded, into
+    `out_dir/report.html`; returns the path of the HTML file. `stride` is the occlusion windows' (default: half a
+    patch); `progress` shows bars of the forward passes on a terminal. `gradient_model`: the model as loaded, when
+    `model` is a copy made by `vitkit.optimize`, which computes no gradients (the faithfulness section is measured
+    on it). A non-empty `out_dir` is a FileExistsError unless `overwrite`."""
+    out = _report_folder(out_dir, overwrite)
     images, n = samples.images, samples.images.shape[0]
     rollouts = [vi.attention_rollout(model, image) for image in images]
-    patch = model.config.patch_stride[0]
-    windows = len(vi.occlusion_windows(model.config.image_size, patch, stride or max(patch // 2, 1)))
-    with tqdm(total=n * windows, desc="occlusion", unit="pass", disable=None if progress else True) as bar:
-        occlusions = [vi.occlusion_sensitivity(model, image, stride=stride, on_batch=bar.update) for image in images]
-    maps = vi.attention_maps(model, images[0])
-    distance = vi.mean_attention_distance(model, images)
-    uniform = float(vi.patch_distances(model.config.grid_size, model.config.patch_stride).mean())
-    filters = vi.embedding_filters(model)
-
-    def figure(name: str, heading: str, fig: Figure, caption: str) -> str:
-        data = png_bytes(fig)
-        atomic_write(out / f"{name}.png", lambda tmp: Path(tmp).write_bytes(data))
-        return _figure_html(name, data, heading, caption)
-
+    occlusions = _occlusions(model, images, stride, progress)
     parts = [_config_html(model)]
     if samples.boxes is not None:
         rollout_loc = vi.localisation(torch.stack([r.upsampled for r in rollouts]), samples.boxes)
@@ -448,39 +499,130 @@ def write_report(
     fig = plot_saliency(samples, rollouts, occlusions, model.class_names)
     caption = CAPTIONS["saliency"].format(query=query, occlusion=OCCLUSION_CAPTIONS[occlusions[0].measure])
     caption += " Green boxes are the known object boxes." if samples.boxes is not None else ""
-    parts.append(figure("saliency", "Where the model looks, and what it uses", fig, caption))
-    fig = plot_attention_maps(maps, images[0], samples.normalization)
+    parts.append(_figure(out, "saliency", "Where the model looks, and what it uses", fig, caption))
+    parts.append(_faithfulness_part(out, gradient_model or model, samples, progress))
+    fig = plot_attention_maps(vi.attention_maps(model, images[0]), images[0], samples.normalization)
     caption = CAPTIONS["attention_maps"].format(query=query)
-    parts.append(figure("attention_maps", "Attention maps per layer and head", fig, caption))
-    fig = plot_attention_distance(distance, uniform)
+    parts.append(_figure(out, "attention_maps", "Attention maps per layer and head", fig, caption))
+    uniform = float(vi.patch_distances(model.config.grid_size, model.config.patch_stride).mean())
+    fig = plot_attention_distance(vi.mean_attention_distance(model, images), uniform)
     caption = CAPTIONS["attention_distance"].format(n=n)
-    parts.append(figure("attention_distance", "Mean attention distance", fig, caption))
+    parts.append(_figure(out, "attention_distance", "Mean attention distance", fig, caption))
+    parts += [_posemb_part(out, model), _embedding_filters_part(out, model)]
+    path = out / "report.html"
+    page = _page(title, samples, parts)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
+    return path
+
+
+def _report_folder(out_dir: str | os.PathLike, overwrite: bool) -> Path:
+    """`out_dir`, created: a file there, or a non-empty folder without `overwrite`, is refused."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: the report is a folder (PNGs and report.html); give a new path.")
+    refuse_overwrite(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _occlusions(
+    model: VisionTransformer, images: torch.Tensor, stride: int | None, progress: bool
+) -> list[vi.Occlusion]:
+    """The occlusion map of each image, with a bar of the forward passes when `progress`."""
+    from tqdm import tqdm
+
+    patch = model.config.patch_stride[0]
+    windows = len(vi.occlusion_windows(model.config.image_size, patch, stride or max(patch // 2, 1)))
+    with tqdm(total=len(images) * windows, desc="occlusion", unit="pass", disable=None if progress else True) as bar:
+        return [vi.occlusion_sensitivity(model, image, stride=stride, on_batch=bar.update) for image in images]
+
+
+def _figure(out: Path, name: str, heading: str, fig: Figure, caption: str, extra: str = "") -> str:
+    """The figure written to `out/<name>.png`, and its section of the page."""
+    data = png_bytes(fig)
+    atomic_write(out / f"{name}.png", lambda tmp: Path(tmp).write_bytes(data))
+    return _figure_html(name, data, heading, caption, extra)
+
+
+def _faithfulness_part(out: Path, model: VisionTransformer, samples: Samples, progress: bool) -> str:
+    """Deletion and insertion AUC of each attribution method on the samples: the maps, a table, one reading each."""
+    from tqdm import tqdm
+
+    heading, n = "Which map explains the decision: deletion and insertion", samples.images.shape[0]
+    if vi.has_no_head(model):
+        text = "The model has no classification head (num_classes=0): deletion and insertion follow a class "
+        return _note_html("faithfulness", heading, text + "probability, so there is none to follow.")
+    methods, left_out = faithfulness_methods()
+    steps, patch = _faithfulness_steps(model), model.config.patch_stride[0]
+    total = at.forward_passes(model, n, methods, steps, FAITHFULNESS_ORDERINGS)["curves"]
+    total += n * len(vi.occlusion_windows(model.config.image_size, patch, patch)) if "occlusion" in methods else 0
+    with tqdm(total=total, desc="faithfulness", unit="pass", disable=None if progress else True) as bar:
+        result = at.faithfulness(
+            model, samples.images, methods=methods, steps=steps, orderings=FAITHFULNESS_ORDERINGS, on_batch=bar.update
+        )
+    caption = CAPTIONS["faithfulness"].format(
+        baseline=result.baseline,
+        description=html.escape(at.BASELINE_DESCRIPTIONS[result.baseline]),
+        steps=result.steps,
+        orderings=FAITHFULNESS_ORDERINGS,
+    )
+    extra = _faithfulness_table(result, samples.titles) + (
+        f"<p class='note'>{html.escape(left_out)}</p>" * bool(left_out)
+    )
+    return _figure(out, "faithfulness", heading, plot_faithfulness(samples, result), caption, extra)
+
+
+def _faithfulness_table(result: at.Faithfulness, titles: list[str]) -> str:
+    """Mean and per-image AUCs of each method and of the random floor, then one reading per method."""
+
+    def row(method: str) -> str:
+        mean = f"<td>{result.mean(method, 'deletion'):.3f}</td><td>{result.mean(method, 'insertion'):.3f}</td>"
+        pairs = zip(result.deletion[method], result.insertion[method])
+        return (
+            f"<tr><th>{at.LABELS[method]}</th>{mean}"
+            + "".join(f"<td>{d:.2f} / {i:.2f}</td>" for d, i in pairs)
+            + "</tr>"
+        )
+
+    head = "".join(f"<th>{html.escape(t)}</th>" for t in titles)
+    readings = "".join(f"<li>{html.escape(at.reading(result, m))}</li>" for m in result.methods)
+    skipped = "".join(f"<li>{at.LABELS[m]}: skipped, {html.escape(why)}</li>" for m, why in result.skipped.items())
+    return (
+        "<table><tr><th>method</th><th>deletion AUC (mean, lower: better)</th><th>insertion AUC (mean, higher: "
+        f"better)</th>{head}</tr>{''.join(row(m) for m in (*result.methods, at.RANDOM))}</table>"
+        "<p class='note'>Per image: deletion / insertion AUC. Readings (better or worse than random: beyond twice "
+        f"the standard error over the images):</p><ul class='note'>{readings}{skipped}</ul>"
+    )
+
+
+def _posemb_part(out: Path, model: VisionTransformer) -> str:
     try:
         similarity = vi.posemb_similarity(model)
     except ValueError as e:
-        parts.append(_note_html("posemb_similarity", "Position embedding similarity", str(e)))
-    else:
-        fig = plot_posemb_similarity(similarity)
-        parts.append(figure("posemb_similarity", "Position embedding similarity", fig, CAPTIONS["posemb_similarity"]))
-    if filters.image_like:
-        caption = CAPTIONS["embedding_filters"].format(note=html.escape(filters.note))
-        if model.config.in_chans == 3 and (getattr(model, "trained_on", None) or {}).get("grayscale"):
-            caption += (
-                " <b>This model was trained on grayscale images</b> (given as three equal channels), so the "
-                "colours of these filters mean nothing: only their light and dark pattern does."
-            )
-        parts.append(figure("embedding_filters", "Patch-embedding filters", plot_embedding_filters(filters), caption))
-    else:
-        parts.append(_note_html("embedding_filters", "Patch-embedding filters", filters.note))
+        return _note_html("posemb_similarity", "Position embedding similarity", str(e))
+    fig = plot_posemb_similarity(similarity)
+    return _figure(out, "posemb_similarity", "Position embedding similarity", fig, CAPTIONS["posemb_similarity"])
 
+
+def _embedding_filters_part(out: Path, model: VisionTransformer) -> str:
+    filters = vi.embedding_filters(model)
+    if not filters.image_like:
+        return _note_html("embedding_filters", "Patch-embedding filters", filters.note)
+    caption = CAPTIONS["embedding_filters"].format(note=html.escape(filters.note))
+    if model.config.in_chans == 3 and (getattr(model, "trained_on", None) or {}).get("grayscale"):
+        caption += (
+            " <b>This model was trained on grayscale images</b> (given as three equal channels), so the "
+            "colours of these filters mean nothing: only their light and dark pattern does."
+        )
+    return _figure(out, "embedding_filters", "Patch-embedding filters", plot_embedding_filters(filters), caption)
+
+
+def _page(title: str, samples: Samples, parts: list[str]) -> str:
     heading = html.escape(title or "vitkit inspect")
-    page = (
+    return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{heading}</title>'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
         f"<body><h1>{heading}</h1><p class='note'>The paper's analysis figures (Dosovitskiy et al., ICLR 2021, "
-        f"Figs. 6, 7, 14) for this model on {n} image(s), made by <code>vitkit inspect</code>. Images: "
-        f"{html.escape(', '.join(samples.titles))}.</p>" + "".join(parts) + "</body></html>"
+        f"Figs. 6, 7, 14) for this model on {samples.images.shape[0]} image(s), made by <code>vitkit inspect</code>. "
+        f"Images: {html.escape(', '.join(samples.titles))}.</p>" + "".join(parts) + "</body></html>"
     )
-    path = out / "report.html"
-    atomic_write(path, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
-    return path

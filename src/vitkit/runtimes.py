@@ -111,22 +111,10 @@ def compare_runtimes(
     model, relative to their largest magnitude)."""
     import tempfile
 
-    import numpy as np
-
     from .checkpoints import export
 
-    for p in precisions:
-        if p not in BENCH_PRECISIONS:
-            raise ValueError(f"precisions={precisions!r}: choose from {', '.join(BENCH_PRECISIONS)}.")
-    if rounds < 1 or not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"rounds={rounds}, batch_sizes={batch_sizes}: need at least one round and batch.")
-    if isinstance(model, VisionTransformer):
-        net, config = model.eval(), model.config
-    else:
-        config = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
-        net = VisionTransformer(config).eval()
-        if isinstance(net.head, nn.Linear):  # the official init zeroes the head: logits of 0 would hide differences
-            nn.init.trunc_normal_(net.head.weight, std=0.02)
+    _check_compare_arguments(precisions, rounds, batch_sizes)
+    net, config = _model_to_compare(model, model_args)
     threads = torch.get_num_threads()
     result: dict[str, Any] = {
         **record_header("bench-compare"),
@@ -144,50 +132,105 @@ def compare_runtimes(
             export(net, path, format="onnx")
         for precision in precisions:
             runners, notes = runtime_runners(path, precision, threads)
-            result["notes"] += [f"{precision}: {n}" for n in notes]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # emulated bf16 is measured all the same; `machine` says it is
-                fast = optimize(net, precision)
-                copies = {"vitkit.optimize": fast}
-                if not isinstance(fast, VisionTransformer):  # a runtime's copy: vitkit's own kernels beside it
-                    copies["vitkit torch"] = own_kernels_copy(fast, net, precision)
-                    in_torch = getattr(fast, "single_images", None) is not None
-                    single = " (single images: vitkit's own kernels)" if in_torch else ""
-                    result["notes"].append(
-                        f"{precision}: vitkit.optimize runs the model in {fast.runtime}{single} here (runtime='auto'); "
-                        "'vitkit torch' is its copy with vitkit's own kernels (runtime='torch')"
-                    )
+            copies, own_notes = _vitkit_copies(net, precision)
+            result["notes"] += [f"{precision}: {n}" for n in notes + own_notes]
             for batch in batch_sizes:
-                x = torch.randn(batch, config.in_chans, *config.image_size)
-                with torch.inference_mode():
-                    reference = net(x).float().numpy()
-                    outputs = {name: copy(x).float().numpy() for name, copy in copies.items()}
-                array = x.numpy()
-                outputs |= {name: np.asarray(run(array), dtype=np.float32) for name, run in runners.items()}
-                runs = {name: partial(copy, x) for name, copy in copies.items()}
-                runs |= {name: partial(run, array) for name, run in runners.items()}
-                with torch.inference_mode():
-                    seconds = interleaved(runs, rounds, min_seconds)
-                rates = {name: [batch / s for s in ss] for name, ss in seconds.items()}
-                ratios = ratios_to_fastest(rates)
-                scale = max(float(np.abs(reference).max()), 1e-12)
-                for name, r in rates.items():
-                    result["rows"].append(
-                        {
-                            "image_size": list(config.image_size),
-                            "batch": batch,
-                            "precision": precision,
-                            "contender": name,
-                            "images_per_s": statistics.median(r),
-                            "rounds": r,
-                            "ratio_to_fastest": ratios[name],
-                            "max_relative_difference": float(np.abs(outputs[name] - reference).max()) / scale,
-                        }
-                    )
+                rows = _compare_batch(net, copies, runners, batch, precision, rounds, min_seconds)
+                result["rows"] += rows
                 if progress:
-                    rows = result["rows"][-len(rates) :]
                     print(format_compare({**result, "rows": rows}, header=False), file=sys.stderr, flush=True)
     return result
+
+
+def _check_compare_arguments(precisions: tuple[str, ...], rounds: int, batch_sizes: tuple[int, ...]) -> None:
+    for p in precisions:
+        if p not in BENCH_PRECISIONS:
+            raise ValueError(f"precisions={precisions!r}: choose from {', '.join(BENCH_PRECISIONS)}.")
+    if rounds < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"rounds={rounds}, batch_sizes={batch_sizes}: need at least one round and batch.")
+
+
+def _model_to_compare(
+    model: str | ViTConfig | VisionTransformer, model_args: dict[str, Any]
+) -> tuple[VisionTransformer, ViTConfig]:
+    """The model in eval mode and its config: `model` itself, or one of random weights for a variant or config."""
+    if isinstance(model, VisionTransformer):
+        return model.eval(), model.config
+    config = model if isinstance(model, ViTConfig) else decode_variant(model, **model_args)
+    net = VisionTransformer(config).eval()
+    if isinstance(net.head, nn.Linear):  # the official init zeroes the head: logits of 0 would hide differences
+        nn.init.trunc_normal_(net.head.weight, std=0.02)
+    return net, config
+
+
+def _vitkit_copies(net: VisionTransformer, precision: str) -> tuple[dict[str, nn.Module], list[str]]:
+    """name -> vitkit's copy of `net` to time: `optimize`'s, and beside a runtime's copy the one with vitkit's own
+    kernels (`runtime="torch"`); and a note saying which is which where there are two."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # emulated bf16 is measured all the same; `machine` says it is
+        fast = optimize(net, precision)
+        if isinstance(fast, VisionTransformer):
+            return {"vitkit.optimize": fast}, []
+        own = own_kernels_copy(fast, net, precision)  # a runtime's copy: vitkit's own kernels beside it
+    single = " (single images: vitkit's own kernels)" if getattr(fast, "single_images", None) is not None else ""
+    note = (
+        f"vitkit.optimize runs the model in {fast.runtime}{single} here (runtime='auto'); "
+        "'vitkit torch' is its copy with vitkit's own kernels (runtime='torch')"
+    )
+    return {"vitkit.optimize": fast, "vitkit torch": own}, [note]
+
+
+def _compare_batch(
+    net: VisionTransformer,
+    copies: dict[str, nn.Module],
+    runners: dict[str, Any],
+    batch: int,
+    precision: str,
+    rounds: int,
+    min_seconds: float,
+) -> list[dict[str, Any]]:
+    """The rows of one batch size and precision: every contender timed in interleaved rounds on the same random
+    images, and its logits set beside those of vitkit's plain model."""
+    import numpy as np
+
+    config = net.config
+    x = torch.randn(batch, config.in_chans, *config.image_size)
+    array = x.numpy()  # what the ONNX runtimes read
+    reference, outputs = _logits(net, copies, runners, x, array)
+    runs = {name: partial(copy, x) for name, copy in copies.items()}
+    runs |= {name: partial(run, array) for name, run in runners.items()}
+    with torch.inference_mode():
+        seconds = interleaved(runs, rounds, min_seconds)
+    rates = {name: [batch / s for s in ss] for name, ss in seconds.items()}
+    ratios = ratios_to_fastest(rates)
+    scale = max(float(np.abs(reference).max()), 1e-12)
+    return [
+        {
+            "image_size": list(config.image_size),
+            "batch": batch,
+            "precision": precision,
+            "contender": name,
+            "images_per_s": statistics.median(r),
+            "rounds": r,
+            "ratio_to_fastest": ratios[name],
+            "max_relative_difference": float(np.abs(outputs[name] - reference).max()) / scale,
+        }
+        for name, r in rates.items()
+    ]
+
+
+def _logits(
+    net: VisionTransformer, copies: dict[str, nn.Module], runners: dict[str, Any], x: torch.Tensor, array: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The plain model's logits for images `x` and each contender's (the runtimes' for `array`, `x` in numpy), as
+    float32 numpy arrays."""
+    import numpy as np
+
+    with torch.inference_mode():
+        reference = net(x).float().numpy()
+        outputs = {name: copy(x).float().numpy() for name, copy in copies.items()}
+    outputs |= {name: np.asarray(run(array), dtype=np.float32) for name, run in runners.items()}
+    return reference, outputs
 
 
 def format_compare(result: dict, header: bool = True) -> str:

@@ -68,6 +68,18 @@ def model_from_rules(
     tensors that are not floating point. The shapes are checked on the meta device, so a file claiming a huge
     model allocates nothing before it is refused.
     """
+    expected = _expected_state(config, rules, path, format)
+    _refuse_not_float(tensors, path)
+    state, missing, mismatched = _apply_rules(rules, tensors, expected)
+    unexpected = sorted(set(tensors) - {k for r in rules for k in r.theirs})
+    _refuse_mismatch(config, path, format, unexpected, missing, mismatched)
+    model = VisionTransformer(config)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _expected_state(config: ViTConfig, rules: list[Rule], path: str | os.PathLike, format: str) -> Tensors:
+    """The state dict of a model of `config` on the meta device, each of its tensors given by one of `rules`."""
     try:
         with torch.device("meta"):
             expected = VisionTransformer(config).state_dict()
@@ -76,9 +88,10 @@ def model_from_rules(
     uncovered = sorted(set(expected) - {r.ours for r in rules})
     if uncovered:
         raise ValueError(f"{path}: the {format} format has no place for {_listing(uncovered)} of this config.")
-    state: Tensors = {}
-    missing: list[str] = []
-    mismatched: list[str] = []
+    return expected
+
+
+def _refuse_not_float(tensors: Tensors, path: str | os.PathLike) -> None:
     not_float = [k for k, t in tensors.items() if not t.is_floating_point()]
     if not_float:
         raise CheckpointError(
@@ -87,23 +100,48 @@ def model_from_rules(
             f"{_listing(not_float)}.",
             key=not_float[0],
         )
+
+
+def _apply_rules(rules: list[Rule], tensors: Tensors, expected: Tensors) -> tuple[Tensors, list[str], list[str]]:
+    """Our tensors made from the file's by `rules`; and the file's missing keys and its shape mismatches."""
+    state: Tensors = {}
+    missing: list[str] = []
+    mismatched: list[str] = []
     for rule in rules:
         absent = [k for k in rule.theirs if k not in tensors]
         if absent:
             missing += absent
             continue
-        sources = [tensors[k] for k in rule.theirs]
-        want = tuple(expected[rule.ours].shape)
-        try:
-            value, reason = rule.to_ours(*sources), ""
-        except (RuntimeError, IndexError) as e:
-            value, reason = None, f" ({e})"
-        if value is None or tuple(value.shape) != want:
-            have = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(rule.theirs, sources))
-            mismatched.append(f"{have} -> {rule.ours} {want}{reason}")
+        value, mismatch = _converted(rule, [tensors[k] for k in rule.theirs], expected[rule.ours])
+        if value is None:
+            mismatched.append(mismatch)
             continue
-        state[rule.ours] = value.to(expected[rule.ours].dtype)
-    unexpected = sorted(set(tensors) - {k for r in rules for k in r.theirs})
+        state[rule.ours] = value
+    return state, missing, mismatched
+
+
+def _converted(rule: Rule, sources: list[torch.Tensor], want: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+    """`rule` applied to the file's `sources`, in the dtype of `want`; or None and the mismatch, where it fails or
+    makes another shape than `want`'s."""
+    shape = tuple(want.shape)
+    try:
+        value, reason = rule.to_ours(*sources), ""
+    except (RuntimeError, IndexError) as e:
+        value, reason = None, f" ({e})"
+    if value is None or tuple(value.shape) != shape:
+        have = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(rule.theirs, sources))
+        return None, f"{have} -> {rule.ours} {shape}{reason}"
+    return value.to(want.dtype), ""
+
+
+def _refuse_mismatch(
+    config: ViTConfig,
+    path: str | os.PathLike,
+    format: str,
+    unexpected: list[str],
+    missing: list[str],
+    mismatched: list[str],
+) -> None:
     problems = []
     if unexpected:
         problems.append(f"unexpected keys: {_listing(unexpected)}")
@@ -120,9 +158,6 @@ def model_from_rules(
             + ". Check the file is a ViT checkpoint of this format, or pass the right overrides (e.g. num_heads=).",
             key=next(iter(unexpected + missing), None),
         )
-    model = VisionTransformer(config)
-    model.load_state_dict(state, strict=True)
-    return model.eval()
 
 
 def export_tensors(model: VisionTransformer, rules: list[Rule], format: str) -> Tensors:

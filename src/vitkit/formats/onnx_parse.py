@@ -230,13 +230,62 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
     ours = f"blocks.{i}"
     t = p.tensors
     t[f"{ours}.norm1.weight"], t[f"{ours}.norm1.bias"], p.eps, h = ln
+    gamma1, branch = _layer_scale(g, _attention(g, p, i, h, path).out)
+    x = _residual_add(g, branch, x, path)
+    t[f"{ours}.norm2.weight"], t[f"{ours}.norm2.bias"], _, h = _layer_norm(g, x, path)
+    gamma2, branch = _layer_scale(g, _mlp(g, p, i, h, path).out)
+    if (gamma1 is None) != (gamma2 is None):
+        raise _fail(path, f"block {i}: LayerScale on one residual branch only")
+    if gamma1 is not None and gamma2 is not None:
+        p.layer_scale = True
+        t[f"{ours}.ls1.gamma"], t[f"{ours}.ls2.gamma"] = gamma1, gamma2
+    return _residual_add(g, branch, x, path)
+
+
+def _attention(g: Graph, p: Parsed, i: int, h: str, path) -> Linear:
+    """Block i's attention reading LayerNorm output `h`: q, k and v (as our fused qkv), the number of heads, the
+    scale of the scores checked, and the output projection, which it returns."""
+    ours = f"blocks.{i}.attn"
+    projs, fused = _qkv_projections(g, p, i, h, path)
+    role = _roles(g, projs, i, path)
+    hidden = role["q"][0].weight.shape[0]
+    p.heads = (fused and p.heads) or _heads(g, role["q"][0].out, hidden) or p.heads
+    if not p.heads:
+        raise _fail(path, f"block {i}: cannot read the number of heads from the query's Reshape")
+    scores, _, _ = _follow(g, role["q"][0].out, {"MatMul"})
+    _, _, score_scale = _follow(g, scores.output[0], {"Softmax"})
+    scale = role["q"][1] * role["k"][1] * score_scale
+    if not math.isclose(scale, (hidden // p.heads) ** -0.5, rel_tol=1e-4):
+        raise _fail(path, f"block {i}: attention scores scaled by {scale:.6g}, not 1/sqrt(head_dim)")
+    q, k, v = (role[r][0] for r in "qkv")
+    p.tensors[f"{ours}.qkv.weight"] = torch.cat([q.weight, k.weight, v.weight])
+    p.tensors[f"{ours}.qkv.bias"] = torch.cat([q.bias, k.bias, v.bias])
+    softmax, _, _ = _follow(g, scores.output[0], {"Softmax"})
+    mix, _, _ = _follow(g, softmax.output[0], {"MatMul"})
+    proj_node, _, _ = _follow(g, mix.output[0], {"MatMul"})
+    if proj_node is None or not g.param_input(proj_node):
+        raise _fail(path, f"block {i}: no output projection after the attention")
+    out = _linear(g, proj_node, path)
+    p.tensors[f"{ours}.proj.weight"], p.tensors[f"{ours}.proj.bias"] = out.weight, out.bias
+    return out
+
+
+def _qkv_projections(g: Graph, p: Parsed, i: int, h: str, path) -> tuple[list[Linear], bool]:
+    """The three projections reading LayerNorm output `h`, and whether they are one of width 3D split in three
+    (timm's and vitkit's own layout), whose split sets `p.heads`."""
     projs = [_linear(g, m, path) for m in _projections(g, h)]
     fused = _qkv_split(g, projs[0].out) if len(projs) == 1 else None
-    if fused is not None:  # one projection of width 3D, split into q, k, v (timm's and vitkit's own layout)
+    if fused is not None:
         pieces, p.heads = fused
         projs = [_chunk(projs[0], k, 3, out) for out, k in pieces]
     if len(projs) != 3:
         raise _fail(path, f"block {i}: {len(projs)} projections read the LayerNorm, expected q, k and v")
+    return projs, fused is not None
+
+
+def _roles(g: Graph, projs: list[Linear], i: int, path) -> dict[str, tuple[Linear, float]]:
+    """Each projection by its role, with the scale on its way to the attention: the query ("q") on the left of the
+    score product, the key ("k") on its right, the value ("v") after the softmax."""
     role: dict[str, tuple[Linear, float]] = {}
     for proj in projs:
         node, slot, scale = _follow(g, proj.out, {"MatMul"})
@@ -249,43 +298,21 @@ def _block(g: Graph, p: Parsed, i: int, x: str, ln: tuple, path) -> str:
         role[kind] = (proj, scale)
     if set(role) != {"q", "k", "v"}:
         raise _fail(path, f"block {i}: found {sorted(role)} among the attention inputs")
-    hidden = role["q"][0].weight.shape[0]
-    p.heads = (fused and p.heads) or _heads(g, role["q"][0].out, hidden) or p.heads
-    if not p.heads:
-        raise _fail(path, f"block {i}: cannot read the number of heads from the query's Reshape")
-    scores, _, _ = _follow(g, role["q"][0].out, {"MatMul"})
-    _, _, score_scale = _follow(g, scores.output[0], {"Softmax"})
-    scale = role["q"][1] * role["k"][1] * score_scale
-    if not math.isclose(scale, (hidden // p.heads) ** -0.5, rel_tol=1e-4):
-        raise _fail(path, f"block {i}: attention scores scaled by {scale:.6g}, not 1/sqrt(head_dim)")
-    q, k, v = (role[r][0] for r in "qkv")
-    t[f"{ours}.attn.qkv.weight"] = torch.cat([q.weight, k.weight, v.weight])
-    t[f"{ours}.attn.qkv.bias"] = torch.cat([q.bias, k.bias, v.bias])
-    softmax, _, _ = _follow(g, scores.output[0], {"Softmax"})
-    mix, _, _ = _follow(g, softmax.output[0], {"MatMul"})
-    proj_node, _, _ = _follow(g, mix.output[0], {"MatMul"})
-    if proj_node is None or not g.param_input(proj_node):
-        raise _fail(path, f"block {i}: no output projection after the attention")
-    out = _linear(g, proj_node, path)
-    t[f"{ours}.attn.proj.weight"], t[f"{ours}.attn.proj.bias"] = out.weight, out.bias
-    gamma1, branch = _layer_scale(g, out.out)
-    x = _residual_add(g, branch, x, path)
-    t[f"{ours}.norm2.weight"], t[f"{ours}.norm2.bias"], _, h = _layer_norm(g, x, path)
+    return role
+
+
+def _mlp(g: Graph, p: Parsed, i: int, h: str, path) -> Linear:
+    """Block i's MLP reading LayerNorm output `h` (its activation read into `p.act`); returns its second layer."""
+    ours = f"blocks.{i}.mlp"
     fc1_nodes = _projections(g, h)
     if len(fc1_nodes) != 1:
         raise _fail(path, f"block {i}: expected one MLP input layer after the second LayerNorm")
     fc1 = _linear(g, fc1_nodes[0], path)
     fc2_node, _, _ = _follow_any(g, fc1.out, p, i, path)
     fc2 = _linear(g, fc2_node, path)
-    t[f"{ours}.mlp.fc1.weight"], t[f"{ours}.mlp.fc1.bias"] = fc1.weight, fc1.bias
-    t[f"{ours}.mlp.fc2.weight"], t[f"{ours}.mlp.fc2.bias"] = fc2.weight, fc2.bias
-    gamma2, branch = _layer_scale(g, fc2.out)
-    if (gamma1 is None) != (gamma2 is None):
-        raise _fail(path, f"block {i}: LayerScale on one residual branch only")
-    if gamma1 is not None and gamma2 is not None:
-        p.layer_scale = True
-        t[f"{ours}.ls1.gamma"], t[f"{ours}.ls2.gamma"] = gamma1, gamma2
-    return _residual_add(g, branch, x, path)
+    p.tensors[f"{ours}.fc1.weight"], p.tensors[f"{ours}.fc1.bias"] = fc1.weight, fc1.bias
+    p.tensors[f"{ours}.fc2.weight"], p.tensors[f"{ours}.fc2.bias"] = fc2.weight, fc2.bias
+    return fc2
 
 
 def _follow_any(g: Graph, name: str, p: Parsed, i: int, path):
