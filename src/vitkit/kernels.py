@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import machine
-from .model import Attention, EncoderBlock, VisionTransformer, attend_explicit
+from .model import Attention, EncoderBlock, VisionTransformer, attend_explicit, head_scale
 
 M = TypeVar("M", bound=nn.Module)
 LIBRARIES = ("mkl", "onednn")
@@ -187,13 +187,6 @@ def attend_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
     return out
 
 
-def head_scale(q: torch.Tensor) -> float:
-    """1/sqrt(d) for queries (..., d), as a number: in a TorchScript trace a constant, where `q.shape[-1] ** -0.5`
-    would be computed from the traced shape on every call (OpenVINO ran a small model's graph a few percent slower
-    for it)."""
-    return float(q.shape[-1]) ** -0.5
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The layers that run these kernels, and `install`.
 # ----------------------------------------------------------------------------------------------------------
@@ -261,8 +254,12 @@ def install(model: M) -> M:
     return model
 
 
-PLAIN: dict[type, type] = {Linear: nn.Linear, CpuAttention: Attention, PatchGemm: nn.Conv2d}
-PLAIN[ContiguousResidualBlock] = EncoderBlock
+PLAIN: dict[type, type] = {
+    Linear: nn.Linear,
+    CpuAttention: Attention,
+    PatchGemm: nn.Conv2d,
+    ContiguousResidualBlock: EncoderBlock,
+}
 
 
 def uninstall(model: M, kinds: tuple[type, ...] = tuple(PLAIN)) -> M:

@@ -245,12 +245,18 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
+def head_scale(q: torch.Tensor) -> float:
+    """1/sqrt(d) for queries (..., d), as a number: in a traced graph a constant, where `q.shape[-1] ** -0.5` would be
+    computed from the traced shape on every call."""
+    return float(q.shape[-1]) ** -0.5
+
+
 def attend_explicit(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention written out, and its probabilities (B, H, N, N): the two matmuls in q's dtype (or autocast's), the
-    softmax in fp32. The scale is a Python number, so a traced graph holds it as a constant."""
-    logits = (q * float(q.shape[-1]) ** -0.5) @ k.transpose(-2, -1)  # (B, H, N, N)
+    softmax in fp32."""
+    logits = (q * head_scale(q)) @ k.transpose(-2, -1)  # (B, H, N, N)
     if bias is not None:
         logits = logits + bias
     probs = logits.float().softmax(dim=-1).to(v.dtype)
