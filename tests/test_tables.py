@@ -1,7 +1,9 @@
 """benchmarks/tables.py: the docs' generated tables are what the records in benchmarks/results/ give."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 from helpers import SRC
 
@@ -10,6 +12,18 @@ TABLES = SRC.parent / "benchmarks" / "tables.py"
 
 def run_tables(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TABLES), *args], capture_output=True, text=True, timeout=60)
+
+
+def render(tmp_path: Path, records: dict[str, dict], tables: tuple[str, ...]) -> str:
+    """`tables` generated from `records` (file stem: record) into a fresh document: its text."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, record in records.items():
+        (results / f"{name}.json").write_text(json.dumps(record))
+    doc = tmp_path / "doc.md"
+    doc.write_text("".join(f"<!-- tables.py: {t} -->\n<!-- /tables.py -->\n" for t in tables))
+    assert run_tables("--results", str(results), str(doc)).returncode == 0
+    return doc.read_text()
 
 
 def test_every_generated_table_in_the_docs_matches_the_data():
@@ -45,8 +59,6 @@ def test_a_gpu_machines_records_are_named_by_its_gpu_or_as_its_host_and_unquanti
     """A record that ran on the GPU goes by the GPU's name; one that ran on such a machine's CPU by the CPU's, marked
     as the GPU's host (another machine than the CPU-only ones). An int8 copy whose logits match fp32's was not
     quantized, and its speed is not shown as int8's."""
-    import json
-
     host = {"cpu": "Intel(R) Xeon(R) Processor (family 6, model 207)", "family": 6, "model": 207,
             "flags": ["avx512f", "amx_tile"], "threads": 2, "gpu": "NVIDIA H200"}  # fmt: skip
     train = {"benchmark": "gpu-train", "machine": {**host, "device": "cuda"}, "date": "2026-01-01T00:00Z",
@@ -57,14 +69,7 @@ def test_a_gpu_machines_records_are_named_by_its_gpu_or_as_its_host_and_unquanti
     cells = [{"batch": 1, "copy": name, "images_per_s": rate, "rounds": [rate] * 3, "max_error_relative": error}
              for name, (rate, error) in copies.items()]  # fmt: skip
     deploy = {"benchmark": "deploy", "machine": host, "date": "2026-01-01T00:00Z", "model": "ViT-S/16", "cells": cells}
-    results = tmp_path / "results"
-    results.mkdir()
-    for name, record in {"train": train, "deploy": deploy}.items():
-        (results / f"{name}.json").write_text(json.dumps(record))
-    doc = tmp_path / "doc.md"
-    doc.write_text("".join(f"<!-- tables.py: {t} -->\n<!-- /tables.py -->\n" for t in ("gpu-train", "deploy")))
-    assert run_tables("--results", str(results), str(doc)).returncode == 0
-    text = doc.read_text()
+    text = render(tmp_path, {"train": train, "deploy": deploy}, ("gpu-train", "deploy"))
     assert "| H200 | ViT-B/16 | 224 | 256 | bf16, compiled | 4,000 | 3,200 | 1.25x | 40.0% | 36.0% |" in text
     deploy_row = next(line for line in text.splitlines() if line.startswith("| Emerald Rapids (H200 host) |"))
     assert deploy_row.endswith("| 50.0 (1.00x) |  | 50.0 | not quantized |  |") and "20.0" not in deploy_row
@@ -74,8 +79,6 @@ def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_ea
     """Each int8 copy's speed and logit error, and vitkit's over ONNX Runtime's as the median of the rounds' ratios
     (not the ratio of the medians); a later record without ONNX Runtime's int8 does not hide the one with it, nor
     one of another batch size."""
-    import json
-
     machine = {"cpu": "AMD EPYC (family 25, model 17)", "family": 25, "model": 17, "flags": ["avx512_bf16"]}
     rounds = {"vitkit int8": [60.0, 30.0, 50.0], "onnxruntime int8": [30.0, 30.0, 10.0]}  # ratios 2, 1, 5
     cells = [{"batch": 8, "copy": name, "images_per_s": sorted(r)[1], "rounds": r, "max_error_relative": 0.04}
@@ -84,14 +87,7 @@ def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_ea
     older["cells"] = cells
     newer = {**older, "date": "2026-02-01T00:00Z", "cells": cells[:1]}
     other_batch = {**older, "date": "2026-03-01T00:00Z", "cells": [{**c, "batch": 64} for c in cells]}
-    results = tmp_path / "results"
-    results.mkdir()
-    for name, record in {"older": older, "newer": newer, "other_batch": other_batch}.items():
-        (results / f"{name}.json").write_text(json.dumps(record))
-    doc = tmp_path / "doc.md"
-    doc.write_text("<!-- tables.py: deploy-int8 -->\n<!-- /tables.py -->\n")
-    assert run_tables("--results", str(results), str(doc)).returncode == 0
-    text = doc.read_text()
+    text = render(tmp_path, {"older": older, "newer": newer, "other_batch": other_batch}, ("deploy-int8",))
     assert "| Zen 4 | ViT-S/16 | 8 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in text
     assert "| Zen 4 | ViT-S/16 | 64 | 50.0 (0.040) |  | 30.0 (0.040) | 2.00x |" in text
 
@@ -99,8 +95,6 @@ def test_int8_against_onnx_runtimes_own_comes_from_the_latest_record_that_ran_ea
 def test_tried_not_kept_rows_are_the_records_rows_and_the_machines_table_leaves_that_record_out(tmp_path):
     """tried-not-kept.json is one record of many machines: each row names its own machines and the record files that
     hold its rounds ("-" where none was kept), and the machines table counts only the records of one machine."""
-    import json
-
     machine = {"cpu": "AMD EPYC (family 25, model 1)", "family": 25, "model": 1, "flags": ["avx2"], "threads": 2}
     options = {"benchmark": "options", "machine": machine, "date": "2026-01-01", "rows": []}
     rows = [{"what": "a change", "machines": ["Zen 3", "Zen 5"], "measured": "0.80x", "why": "slower",
@@ -108,14 +102,7 @@ def test_tried_not_kept_rows_are_the_records_rows_and_the_machines_table_leaves_
             {"what": "another", "machines": [], "measured": "1.007x", "why": "within the noise",
              "records": []}]  # fmt: skip
     tried = {"benchmark": "tried-not-kept", "rows": rows}
-    results = tmp_path / "results"
-    results.mkdir()
-    for name, record in {"options-zen3": options, "tried-not-kept": tried}.items():
-        (results / f"{name}.json").write_text(json.dumps(record))
-    doc = tmp_path / "doc.md"
-    doc.write_text("".join(f"<!-- tables.py: {t} -->\n<!-- /tables.py -->\n" for t in ("tried-not-kept", "machines")))
-    assert run_tables("--results", str(results), str(doc)).returncode == 0
-    text = doc.read_text()
+    text = render(tmp_path, {"options-zen3": options, "tried-not-kept": tried}, ("tried-not-kept", "machines"))
     assert "| a change | Zen 3, Zen 5 | 0.80x | slower | `options-zen3.json` |" in text
     assert "| another | - | 1.007x | within the noise | - |" in text
     assert "| Zen 3 | AMD EPYC (family 25, model 1) | AVX2 | emulated | 2 | 1 |" in text
