@@ -527,13 +527,18 @@ def faithfulness(
         grid=grid,
         targets=tuple(int(t) for t in targets),
         probability=_floats(probability),
-        deletion={**{m: _floats(deletion[i]) for i, m in enumerate(chosen)}, RANDOM: _floats(deletion[k:].mean(0))},
-        insertion={**{m: _floats(insertion[i]) for i, m in enumerate(chosen)}, RANDOM: _floats(insertion[k:].mean(0))},
+        deletion=_by_method(deletion, chosen),
+        insertion=_by_method(insertion, chosen),
         random_deletion=tuple(_floats(row) for row in deletion[k:]),
         random_insertion=tuple(_floats(row) for row in insertion[k:]),
         maps={m: maps[m].detach().cpu() for m in chosen},
         skipped=skipped,
     )
+
+
+def _by_method(auc: torch.Tensor, chosen: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """AUCs (methods + orderings, B) per method, the random orderings' mean as `RANDOM`."""
+    return {**{m: _floats(auc[i]) for i, m in enumerate(chosen)}, RANDOM: _floats(auc[len(chosen) :].mean(0))}
 
 
 def _random_orders(orderings: int, images: int, patches: int, seed: int) -> torch.Tensor:

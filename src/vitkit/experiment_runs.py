@@ -520,46 +520,13 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
     series = list(dict.fromkeys(str(r["labels"][exp.series]) for r in rows))
     for ax, m in zip(axes[0], metrics):
         if m == "attention_distance":
-            for i, s in enumerate(series):
-                for r in rows:
-                    if str(r["labels"][exp.series]) == s:
-                        for depth, heads in enumerate(r["metrics"][m]):
-                            ax.scatter(
-                                [depth + 1] * len(heads), heads, color=f"C{i}", s=12, label=s if depth == 0 else None
-                            )
-            ax.set_xlabel("network depth (layer)")
-            ax.set_ylabel("mean attention distance (px)")
+            _depth_panel(ax, exp, rows, m, series)
         elif exp.x is not None:
-            for i, s in enumerate(series):
-                mine = [r for r in rows if str(r["labels"][exp.series]) == s and m in r["metrics"]]
-                pts = sorted((r["labels"][exp.x], r["metrics"][m]) for r in mine if r["labels"][exp.x] is not None)
-                if pts:
-                    ax.errorbar(
-                        [x for x, _ in pts],
-                        [100 * v["mean"] for _, v in pts],
-                        yerr=[100 * (v["std"] or 0) for _, v in pts],
-                        marker="o",
-                        color=f"C{i}",
-                        label=s,
-                        capsize=3,
-                    )
-                for r in mine:  # a run not placed on the x axis (e.g. the frozen model): a level across it
-                    if r["labels"][exp.x] is None:
-                        ax.axhline(100 * r["metrics"][m]["mean"], color=f"C{i}", linestyle="--", label=s)
-            if exp.log_x:
-                ax.set_xscale("log")
-            ax.set_xlabel(exp.x)
+            _line_panel(ax, exp, rows, m, series)
         elif len(_groups(exp, rows)) > 1:
             _grouped_bars(ax, exp, rows, m, series)
         else:
-            bars = [(str(r["labels"][exp.series]), r["metrics"][m]) for r in rows if m in r["metrics"]]
-            ax.bar(
-                [b for b, _ in bars],
-                [100 * v["mean"] for _, v in bars],
-                yerr=[100 * (v["std"] or 0) for _, v in bars],
-                color=[f"C{series.index(b)}" for b, _ in bars],
-                capsize=3,
-            )
+            _bar_panel(ax, exp, rows, m, series)
         if m != "attention_distance":
             ylabel = m.replace("accuracy", "test top-1 (%)").replace("fewshot_", "few-shot (%), k=")
             ax.set_ylabel(ylabel.replace("_auc", " AUC"))
@@ -573,6 +540,52 @@ def plot(exp: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
+
+
+def _depth_panel(ax, exp: Experiment, rows: list[dict[str, Any]], m: str, series: list[str]) -> None:
+    """Metric `m` per head (dots) against depth, one colour per series."""
+    for i, s in enumerate(series):
+        for r in rows:
+            if str(r["labels"][exp.series]) == s:
+                for depth, heads in enumerate(r["metrics"][m]):
+                    ax.scatter([depth + 1] * len(heads), heads, color=f"C{i}", s=12, label=s if depth == 0 else None)
+    ax.set_xlabel("network depth (layer)")
+    ax.set_ylabel("mean attention distance (px)")
+
+
+def _line_panel(ax, exp: Experiment, rows: list[dict[str, Any]], m: str, series: list[str]) -> None:
+    """Metric `m` (%) against the x label, a line per series with std error bars."""
+    for i, s in enumerate(series):
+        mine = [r for r in rows if str(r["labels"][exp.series]) == s and m in r["metrics"]]
+        pts = sorted((r["labels"][exp.x], r["metrics"][m]) for r in mine if r["labels"][exp.x] is not None)
+        if pts:
+            ax.errorbar(
+                [x for x, _ in pts],
+                [100 * v["mean"] for _, v in pts],
+                yerr=[100 * (v["std"] or 0) for _, v in pts],
+                marker="o",
+                color=f"C{i}",
+                label=s,
+                capsize=3,
+            )
+        for r in mine:  # a run not placed on the x axis (e.g. the frozen model): a level across it
+            if r["labels"][exp.x] is None:
+                ax.axhline(100 * r["metrics"][m]["mean"], color=f"C{i}", linestyle="--", label=s)
+    if exp.log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(exp.x)
+
+
+def _bar_panel(ax, exp: Experiment, rows: list[dict[str, Any]], m: str, series: list[str]) -> None:
+    """Metric `m` (%) as one bar per series, std error bars."""
+    bars = [(str(r["labels"][exp.series]), r["metrics"][m]) for r in rows if m in r["metrics"]]
+    ax.bar(
+        [b for b, _ in bars],
+        [100 * v["mean"] for _, v in bars],
+        yerr=[100 * (v["std"] or 0) for _, v in bars],
+        color=[f"C{series.index(b)}" for b, _ in bars],
+        capsize=3,
+    )
 
 
 def _groups(exp: Experiment, rows: list[dict[str, Any]]) -> list[str]:
