@@ -511,10 +511,7 @@ def faithfulness(
     with _eval(model):
         if any(m in GRADIENT_METHODS for m in chosen):
             _check_gradients(model, images[0])
-        maps = {
-            m: torch.cat([MAP_FUNCTIONS[m](part).float() for part in _parts(inp, max(batch_size // 8, 1))])
-            for m in chosen
-        }
+        maps = {m: _map(inp, m) for m in chosen}
         ranked = [maps[m].flatten(1).argsort(dim=-1, descending=True, stable=True) for m in chosen]
         random = _random_orders(orderings, images.shape[0], grid[0] * grid[1], seed).to(images.device)
         orders = torch.cat([torch.stack(ranked), random]) if ranked else random  # (methods + orderings, B, P)
@@ -534,6 +531,11 @@ def faithfulness(
         maps={m: maps[m].detach().cpu() for m in chosen},
         skipped=skipped,
     )
+
+
+def _map(inp: _Inputs, method: str) -> torch.Tensor:
+    """`method`'s patch map (B, gh, gw) of every image, computed an eighth of a batch at a time."""
+    return torch.cat([MAP_FUNCTIONS[method](part).float() for part in _parts(inp, max(inp.batch_size // 8, 1))])
 
 
 def _by_method(auc: torch.Tensor, chosen: Sequence[str]) -> dict[str, tuple[float, ...]]:
