@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 import vitkit
-import vitkit.model
 from vitkit import kernels, machine
 from vitkit.benchmark import record_header, write_record
 from vitkit.copies import layer_type, openvino_core
@@ -65,11 +64,11 @@ def main() -> None:
 
     def traced(attention, fixed: bool):
         def make():
-            with mock.patch.object(vitkit.model, "attend", attention), warnings.catch_warnings():
+            with mock.patch.object(kernels, "attend", attention), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                graph = openvino.convert_model(
-                    copy.deepcopy(model), example_input=example, input=[openvino.PartialShape([-1, *shape[1:]])]
-                )
+                installed = kernels.install(copy.deepcopy(model))  # its attention is `kernels.attend`
+                dynamic = [openvino.PartialShape([-1, *shape[1:]])]
+                graph = openvino.convert_model(installed, example_input=example, input=dynamic)
             if fixed:
                 graph.reshape(shape)
             return graph

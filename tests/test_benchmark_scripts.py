@@ -346,7 +346,7 @@ def test_threads_under_load_script_times_two_runs_at_once_and_one_alone_in_a_tin
 
 
 @pytest.mark.slow
-def test_train_step_script_runs_its_four_steps_in_a_tiny_mode_and_writes_its_record(tmp_path):
+def test_train_step_script_runs_its_five_steps_in_a_tiny_mode_and_writes_its_record(tmp_path):
     out = tmp_path / "results" / "train-step.json"
     run_script("train_step.py", "--model-args", "num_layers=1,hidden_size=32,num_heads=2,mlp_dim=64", "--precisions",
                "fp32", "--batch", "2", "--threads", "1", "--rounds", "1", "--min-seconds", "0",
@@ -354,7 +354,13 @@ def test_train_step_script_runs_its_four_steps_in_a_tiny_mode_and_writes_its_rec
     record = record_of(out, "train-step", "train_step.py")
     assert record["settings"]["model"] == "ViT-Ti/7"  # the main job's, by default
     assert record["settings"]["model_args"]["num_layers"] == 1 and record["settings"]["batch"] == 2
-    variants = ["eager, Adam loop", "eager, fused Adam", "compiled, SDPA", "compiled, written out"]
+    variants = [
+        "eager, stock layers",
+        "eager, Adam loop",
+        "eager, fused Adam",
+        "compiled, SDPA",
+        "compiled, written out",
+    ]
     assert [row["variant"] for row in record["rows"]] == variants and record["rows"][0]["ratio"] == 1.0
     # each round one step at least, however short --min-seconds
     assert all(row["images_per_s"] > 0 and len(row["rounds"]) == 1 for row in record["rows"])
