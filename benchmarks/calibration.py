@@ -1,5 +1,5 @@
 """What calibrating `vitkit.optimize(model, "int8")` in OpenVINO costs, by how many images each pass of NNCF's
-statistics model takes (`vitkit.copies.NNCF_CALIBRATION_BATCH`): seconds and peak memory of the whole call, each
+statistics model takes (`openvino_copy.NNCF_CALIBRATION_BATCH`): seconds and peak memory of the whole call, each
 run in a fresh process, the pass sizes interleaved round by round, written as a JSON record (machine, versions,
 date, commit, command, every round).
 
@@ -22,8 +22,8 @@ import time
 import warnings
 from pathlib import Path
 
-from vitkit.benchmark import record_header, write_record
-from vitkit.runtimes import runtime_versions
+from vitkit.speed.benchmark import record_header, write_record
+from vitkit.speed.runtimes import runtime_versions
 
 
 def resident_bytes() -> int:
@@ -39,7 +39,7 @@ def one_call(model_name: str, model_args: dict, images: int, per_pass: int, thre
     import torch
 
     import vitkit
-    from vitkit import copies
+    from vitkit.speed import openvino_copy
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def one_call(model_name: str, model_args: dict, images: int, per_pass: int, thre
     calibration = torch.randn(
         images, model.config.in_chans, *model.config.image_size, generator=torch.Generator().manual_seed(0)
     )
-    copies.NNCF_CALIBRATION_BATCH = per_pass
+    openvino_copy.NNCF_CALIBRATION_BATCH = per_pass
     before = resident_bytes()
     start = time.perf_counter()
     with warnings.catch_warnings():

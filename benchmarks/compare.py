@@ -7,18 +7,18 @@ best peer: the median of the two's ratios within each round, which cancels the m
 Contenders:
 
 - vitkit: the plain `model(x)` (bf16: autocast) and `vitkit.optimize(model, precision)` (which runs the model in
-  OpenVINO where `vitkit.copies.openvino_pays`, else with vitkit's own kernels, bf16 weights cast once); where it
+  OpenVINO where `openvino_copy.openvino_pays`, else with vitkit's own kernels, bf16 weights cast once); where it
   chose OpenVINO, also `optimize(..., runtime="torch")` ("vitkit torch kernels"), so that both paths are on record;
 - timm: eager (bf16: autocast), and its best CPU option, `torch.utils.mkldnn.to_mkldnn` or `torch.compile`
   (both measured, the faster one kept per cell);
 - Hugging Face `ViTForImageClassification` (SDPA attention; bf16: autocast);
 - ONNX Runtime and OpenVINO on the graph `vitkit.export` writes of the same weights (fp32; bf16: OpenVINO's default
   precision hint where the CPU has AVX-512 BF16 or AMX; ONNX Runtime has no bf16 path on CPUs),
-  `vitkit.runtimes.runtime_runners`.
+  `vitkit.speed.runtimes.runtime_runners`.
 
 Training steps: vitkit, timm and Hugging Face eager (bf16: autocast), the same AdamW.
 
-The process keeps freed memory for the next allocation (`vitkit.machine.retain_freed_memory`, as the `vitkit`
+The process keeps freed memory for the next allocation (`vitkit.speed.machine.retain_freed_memory`, as the `vitkit`
 command does), which speeds every contender alike.
 
 Usage: `python benchmarks/compare.py` (the full table: ViT-S/16 and ViT-B/16 at 224, batch 1, 8 and 64, fp32
@@ -48,9 +48,9 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 import vitkit
-from vitkit import machine
-from vitkit.benchmark import interleaved, ratios_to_fastest, record_header, write_record
-from vitkit.runtimes import own_kernels_copy, runtime_runners, runtime_versions
+from vitkit.speed import machine
+from vitkit.speed.benchmark import interleaved, ratios_to_fastest, record_header, write_record
+from vitkit.speed.runtimes import own_kernels_copy, runtime_runners, runtime_versions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNTIMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}  # the runtimes' names in the table
@@ -162,7 +162,7 @@ def contenders(
 
 
 def measure(runs: dict, rounds: int, min_seconds: float, batch: int) -> dict[str, list[float]]:
-    """images/s per contender in each of the interleaved rounds (`vitkit.benchmark.interleaved`)."""
+    """images/s per contender in each of the interleaved rounds (`vitkit.speed.benchmark.interleaved`)."""
     seconds = interleaved(runs, rounds, min_seconds)
     return {name: [batch / t for t in ts] for name, ts in seconds.items()}
 

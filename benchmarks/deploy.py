@@ -7,7 +7,7 @@ too), its copy with vitkit's own kernels (`runtime="torch"`; int8: PT2E) is time
     python benchmarks/deploy.py [--model ViT-S/16] [--model-args JSON] [--batch 1 8] [--rounds 5] [--threads 2]
         [--out FILE]
 
-The runtimes read the graph `vitkit.export` writes (a dynamic batch axis; `vitkit.runtimes.runtime_runners`: fp32
+The runtimes read the graph `vitkit.export` writes (a dynamic batch axis; `vitkit.speed.runtimes.runtime_runners`: fp32
 in both, OpenVINO's bf16 where its default precision is bf16). "onnxruntime int8" is that graph quantized by ONNX
 Runtime's own static quantizer as its documentation advises for x86 CPUs (the graph pre-processed, QDQ, uint8
 activations per tensor, int8 weights per output channel, MinMax calibration), in every linear layer, as vitkit's
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import vitkit
-from vitkit.benchmark import interleaved, record_header, write_record
-from vitkit.runtimes import onnxruntime_session, own_kernels_copy, runtime_runners, runtime_versions
+from vitkit.speed.benchmark import interleaved, record_header, write_record
+from vitkit.speed.runtimes import onnxruntime_session, own_kernels_copy, runtime_runners, runtime_versions
 
 ONNXRUNTIME_INT8 = {
     "format": "QDQ",

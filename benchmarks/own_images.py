@@ -96,7 +96,7 @@ def write_animals(root: Path) -> int:
     import gzip
     import importlib.util
 
-    from vitkit.data import safe_unpickle
+    from vitkit.data.datasets import safe_unpickle
 
     spec = importlib.util.find_spec("animal_mnist")  # the package's folder, without running its code
     if spec is None or not spec.submodule_search_locations:
@@ -168,8 +168,8 @@ def main() -> None:
         write, hand_tuned, what = DATASETS[args.dataset]
         root = Path(tmp) / args.dataset
         count = write(root)
-        from vitkit.data import get_dataset
-        from vitkit.data_survey import survey
+        from vitkit.data.datasets import get_dataset
+        from vitkit.data.survey import survey
 
         mirror = survey(str(root), get_dataset(str(root), "train"))["mirror"]  # what the defaults' flip follows
         settings = {"defaults": []} if args.only_defaults else {"defaults": [], **hand_tuned}
@@ -190,8 +190,8 @@ def main() -> None:
 
 def save(args: argparse.Namespace, benchmark: str, what: str, count: int, **fields) -> None:
     """The JSON record of a run of this script (machine, software, date, commit, command), to --out if given."""
-    from vitkit.benchmark import record_header, write_record
-    from vitkit.machine import resolve_precision
+    from vitkit.speed.benchmark import record_header, write_record
+    from vitkit.speed.machine import resolve_precision
 
     record = {
         **record_header(benchmark),
@@ -212,7 +212,7 @@ def save(args: argparse.Namespace, benchmark: str, what: str, count: int, **fiel
 
 def batch_study(args: argparse.Namespace) -> None:
     """Test top-1 against the batch on small training splits: the evidence for `fitted.fit_batch`."""
-    from vitkit.fitted import fit_batch
+    from vitkit.training.fitted import fit_batch
 
     splits = {}
     with tempfile.TemporaryDirectory() as tmp:

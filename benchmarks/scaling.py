@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from vitkit.benchmark import record_header, write_record
-from vitkit.config import decode_variant
-from vitkit.efficiency import count_params, flops
-from vitkit.model import VisionTransformer
+from vitkit.models.config import decode_variant
+from vitkit.models.efficiency import count_params, flops
+from vitkit.models.vit import VisionTransformer
+from vitkit.speed.benchmark import record_header, write_record
 
 GIB = 2**30
 STATE_BYTES = 16  # per parameter in training: fp32 weight 4 + fp32 gradient 4 + Adam's two fp32 moments 8

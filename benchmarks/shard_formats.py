@@ -1,7 +1,7 @@
 """Tar shards (the WebDataset layout) against Parquet shards for the same JPEGs, measured side by side.
 
 Writes 2,000 JPEGs of `shapes` (160 px, quality 90) as 4 shards of each format, then times (best of 3) writing,
-streaming every sample's bytes, and streaming + decoding them (`vitkit.images.read_image(name, data=...)`) on
+streaming every sample's bytes, and streaming + decoding them (`vitkit.data.images.read_image(name, data=...)`) on
 this process's one thread. Tar is read with Python's tarfile in stream mode, as WebDataset reads it. Usage:
 `python benchmarks/shard_formats.py [--images 2000]`.
 """
@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from vitkit.benchmark import record_header, write_record
-from vitkit.data import ShapesDataset
-from vitkit.images import read_image
+from vitkit.data.datasets import ShapesDataset
+from vitkit.data.images import read_image
+from vitkit.speed.benchmark import record_header, write_record
 
 SHARDS = 4
 

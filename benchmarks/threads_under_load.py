@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from vitkit.benchmark import record_header, write_record
+from vitkit.speed.benchmark import record_header, write_record
 
 SETTINGS = ("chosen", "watched", "one", "alone")
 TINY = ["--data", "shapes", "--model-args", "hidden_size=32,num_layers=1,num_heads=2,mlp_dim=64"]

@@ -8,9 +8,9 @@ vitkit's kernels installed (`kernels.install`, as `vitkit train` does):
 - "eager, stock layers": the plain model (`nn.Linear`, SDPA, the patch embedding's convolution), fused AdamW;
 - "eager, Adam loop": the model as it runs without `--compile`, with AdamW's per-tensor loop;
 - "eager, fused Adam": the same with AdamW's fused kernel (what `vitkit train` uses);
-- "compiled, SDPA": `torch.compile` with attention left to `vitkit.kernels.attend_sdpa`, the SDPA kernel (in fp32
+- "compiled, SDPA": `torch.compile` with attention left to `vitkit.speed.kernels.attend_sdpa`, the SDPA kernel (in fp32
   when the step is bf16, as eager training on a CPU does);
-- "compiled, written out": `torch.compile` with `vitkit.kernels.attend_explicit`, what `vitkit train --compile`
+- "compiled, written out": `torch.compile` with `vitkit.speed.kernels.attend_explicit`, what `vitkit train --compile`
   runs on a CPU.
 Interleaved rounds, medians, ratios to the first; the CPU and its bf16 support are printed with them.
 """
@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vitkit import kernels
-from vitkit.architectures import new_model
-from vitkit.benchmark import record_header, write_record
-from vitkit.cli import _mapping
-from vitkit.evaluation import autocast
-from vitkit.fitted import fit_patch
-from vitkit.machine import bf16_is_native
-from vitkit.recipes import MAIN_JOB_MODEL_ARGS
+from vitkit.cli.parser import _mapping
+from vitkit.models.architectures import new_model
+from vitkit.speed import kernels
+from vitkit.speed.benchmark import record_header, write_record
+from vitkit.speed.machine import bf16_is_native
+from vitkit.training.evaluation import autocast
+from vitkit.training.fitted import fit_patch
+from vitkit.training.recipes import MAIN_JOB_MODEL_ARGS
 
 WRITTEN_OUT = kernels.attend_explicit
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import vitkit
-from vitkit.benchmark import record_header, write_record
-from vitkit.data import get_dataset, to_input
-from vitkit.recipes import learning_rate
+from vitkit.data.datasets import get_dataset, to_input
+from vitkit.speed.benchmark import record_header, write_record
+from vitkit.training.recipes import learning_rate
 
 
 def subset(name: str, split: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:

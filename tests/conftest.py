@@ -41,7 +41,7 @@ def _signal_stack_stays_mapped():
         pytest.fail(
             "the main thread's alternate signal stack was freed (by this test or an earlier one that made an "
             "openvino.Core of its own): the next signal would crash the test process; compile with "
-            "vitkit.copies.openvino_core()"
+            "vitkit.speed.openvino_copy.openvino_core()"
         )
 
 

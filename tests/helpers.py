@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import vitkit
-from vitkit.recipes import TrainConfig
+from vitkit.training.recipes import TrainConfig
 
 # The small ViT most tests use: 32 px images cut into a 4x4 grid of 8 px patches, width 32, 2 layers, 4 heads,
 # 5 classes, the paper's defaults otherwise. Instant to build and to run on one core.
@@ -107,7 +107,7 @@ class _SignalStack(ctypes.Structure):
 
 def signal_stack_is_mapped() -> bool:
     """Whether this thread's alternate signal stack, if it has one, is still mapped memory. Each `openvino.Core` that
-    is not vitkit's one (`vitkit.copies.openvino_core`) can leave the thread on a freed one, and a later signal
+    is not vitkit's one (`openvino_copy.openvino_core`) can leave the thread on a freed one, and a later signal
     (a child process exiting) ends the whole test run with a bare segmentation fault."""
     stack = _SignalStack()
     if ctypes.CDLL(None).sigaltstack(None, ctypes.byref(stack)) != 0 or not stack.ss_sp:

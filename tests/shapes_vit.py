@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import vitkit
-from vitkit.data import ShapesDataset
-from vitkit.report import Samples, dataset_samples
+from vitkit.analysis.report import Samples, dataset_samples
+from vitkit.data.datasets import ShapesDataset
 
 IMAGE_SIZE = 32
 TRAIN_IMAGES = 6000
@@ -26,7 +26,7 @@ BATCH = 64
 @functools.cache
 def trained_shapes_vit() -> vitkit.VisionTransformer:
     dataset = ShapesDataset(size=TRAIN_IMAGES, image_size=IMAGE_SIZE, split="train")
-    images = vitkit.data.to_input(torch.stack([dataset[i][0] for i in range(len(dataset))]))
+    images = vitkit.data.datasets.to_input(torch.stack([dataset[i][0] for i in range(len(dataset))]))
     labels = torch.tensor([dataset[i][1] for i in range(len(dataset))])
     torch.manual_seed(0)
     config = vitkit.ViTConfig(

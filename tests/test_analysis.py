@@ -10,8 +10,8 @@ from torch import nn
 import vitkit
 from helpers import tiny
 from shapes_vit import held_out_shapes, trained_shapes_vit
-from vitkit import analysis as vi
-from vitkit.model import VisionTransformer
+from vitkit.analysis import figures as vi
+from vitkit.models.vit import VisionTransformer
 
 
 def fixed_attention(model: VisionTransformer, self_logit: float) -> VisionTransformer:

@@ -9,8 +9,8 @@ from torch import nn
 
 import vitkit
 from helpers import tiny
-from vitkit import attribution as at
-from vitkit.architectures import new_model
+from vitkit.analysis import attribution as at
+from vitkit.models.architectures import new_model
 
 PATCH, GRID = 4, (4, 4)  # the one-patch model's 16 px images: a 4x4 grid of 4 px patches
 READ = (1, 2)  # the patch it reads
@@ -227,4 +227,4 @@ def test_a_missing_captum_is_named_with_the_install_command(monkeypatch):
 
 
 def test_vitkit_exposes_the_module():
-    assert vitkit.attribution.faithfulness is at.faithfulness
+    assert vitkit.analysis.attribution.faithfulness is at.faithfulness

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitkit.augment import AugmentConfig, crop_and_resize, crop_boxes, eval_batch, random_draws, train_batch
+from vitkit.data.augment import AugmentConfig, crop_and_resize, crop_boxes, eval_batch, random_draws, train_batch
 
 
 def draws(n: int, seed: int = 0) -> torch.Tensor:
@@ -65,7 +65,7 @@ def test_flip_mirrors_about_half_the_images_and_is_off_for_digits():
     plain = eval_batch(images, (8, 8))
     flipped = (x == plain.flip(-1)).flatten(1).all(1)
     assert ((x == plain).flatten(1).all(1) | flipped).all() and 70 < int(flipped.sum()) < 130
-    from vitkit.data import get_dataset
+    from vitkit.data.datasets import get_dataset
 
     assert get_dataset("mnist-5k", "test").flip is False
 

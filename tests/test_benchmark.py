@@ -1,4 +1,4 @@
-"""`vitkit bench` and vitkit.benchmark; the scripts of benchmarks/ run in tests/test_benchmark_scripts.py."""
+"""`vitkit bench` and vitkit.speed.benchmark; the scripts of benchmarks/ run in tests/test_benchmark_scripts.py."""
 
 import json
 
@@ -7,10 +7,10 @@ import torch
 
 import vitkit
 from helpers import perturbed, tiny
-from vitkit import inference as opt
-from vitkit.benchmark import PeakMemory, _state_bytes, largest_batches, ratios_to_fastest
-from vitkit.cli import main
-from vitkit.copies import openvino_pays
+from vitkit.cli.parser import main
+from vitkit.speed import optimize, torch_copy
+from vitkit.speed.benchmark import PeakMemory, _state_bytes, largest_batches, ratios_to_fastest
+from vitkit.speed.openvino_copy import openvino_pays
 
 TINY = "hidden_size=16,num_layers=1,mlp_dim=32,num_heads=2,num_classes=4"
 
@@ -29,7 +29,9 @@ def test_bench_cli_on_a_tiny_model_writes_every_cell_json_and_plot(tmp_path, cap
     rows = result["rows"]
     # 2 sizes x 2 batches x 2 precisions x (matmul by torch.mm, and packed where this CPU packs; plain,
     # optimized, train)
-    matmuls = {p: ("torch.mm", "packed") if opt.packing_available(p) else ("torch.mm",) for p in ("fp32", "bf16")}
+    matmuls = {
+        p: ("torch.mm", "packed") if torch_copy.packing_available(p) else ("torch.mm",) for p in ("fp32", "bf16")
+    }
     assert len(rows) == 2 * 2 * sum(len(modes) + 3 for modes in matmuls.values())
     for size, batch, precision in [(s, b, p) for s in (16, 32) for b in (1, 2) for p in ("fp32", "bf16")]:
         same = [
@@ -87,14 +89,14 @@ def test_bench_rejects_an_unknown_precision_with_the_choices():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_memory_of_an_optimized_copy_counts_its_own_weights_and_packings(precision):
-    if not opt.packing_available(precision):
+    if not torch_copy.packing_available(precision):
         pytest.skip(f"this CPU or torch build cannot pack {precision} weights (MKL; oneDNN with native bf16)")
     model = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=2, num_classes=2).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert _state_bytes(model) == weights
-    fast = opt.optimize(model, precision, pack=True)  # also where packing does not pay by default (fp32, AVX2)
+    fast = optimize.optimize(model, precision, pack=True)  # also where packing does not pay by default (fp32, AVX2)
     own = weights // 2 if precision == "bf16" else weights  # bf16: the weights cast once
-    linears = [m for m in fast.modules() if isinstance(m, opt.PackedLinear)]
+    linears = [m for m in fast.modules() if isinstance(m, torch_copy.PackedLinear)]
     packed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     assert _state_bytes(fast) == own  # nothing packed before the first call
     with torch.inference_mode():
@@ -140,7 +142,7 @@ def runtimes_installed() -> None:
 def test_bench_plot_has_a_memory_panel_only_with_a_memory_budget(tmp_path):
     from PIL import Image
 
-    from vitkit.benchmark import plot_bench
+    from vitkit.speed.benchmark import plot_bench
 
     rows = [{"kind": "inference", "batch": 1, "precision": "fp32", "mode": "plain", "image_size": s,
              "images_per_s": 100.0 / s} for s in (16, 32)]  # fmt: skip

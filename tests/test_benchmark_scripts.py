@@ -18,7 +18,7 @@ import torch
 
 import vitkit
 from helpers import SRC, subprocess_env
-from vitkit.machine import describe
+from vitkit.speed.machine import describe
 
 ROOT = SRC.parent
 BENCHMARKS = ROOT / "benchmarks"

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import vitkit
 from helpers import tiny
-from vitkit.cli import main
+from vitkit.cli.parser import main
 from vitkit.formats import detect_format
 
 # timm files carry no head count: vitkit reads it off the width (64 per head), so timm round trips use this width.

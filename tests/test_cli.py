@@ -9,9 +9,9 @@ import pytest
 
 import vitkit
 from helpers import subprocess_env
-from vitkit.cli import main
-from vitkit.data import DATASETS
-from vitkit.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
+from vitkit.cli.parser import main
+from vitkit.data.datasets import DATASETS
+from vitkit.training.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def test_finetune_without_a_checkpoint_is_refused(capsys, tmp_path):
 
 
 def test_resume_refuses_by_name_the_options_that_would_change_the_run():
-    from vitkit.recipes import resume_changes
+    from vitkit.training.recipes import resume_changes
 
     saved = TrainConfig(steps=10)
     with pytest.raises(ValueError, match=r"lr, optimizer cannot change"):
@@ -156,7 +156,7 @@ def test_predict_with_a_backbone_says_it_has_no_classes_to_predict(tmp_path, cap
     instead, in the library and the command, rather than failing on a class index."""
     import numpy as np
 
-    from vitkit.evaluation import predict
+    from vitkit.training.evaluation import predict
 
     backbone = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=1, num_classes=0)
     vitkit.export(backbone, tmp_path / "backbone.safetensors")
@@ -172,7 +172,7 @@ def test_predict_runs_the_model_without_autograd(tmp_path):
     import numpy as np
     import torch
 
-    from vitkit.evaluation import predict
+    from vitkit.training.evaluation import predict
 
     model = vitkit.create_model("ViT-Ti/16", image_size=32, num_layers=1, num_classes=3)
     seen = []
@@ -213,7 +213,7 @@ def test_eval_matches_a_folders_classes_to_the_models_by_name_and_warns_where_th
 
 @pytest.mark.slow
 def test_inspect_counts_the_occlusion_passes_before_it_starts_and_stride_cuts_them(gray_model, tmp_path, capsys):
-    from vitkit.analysis import occlusion_windows
+    from vitkit.analysis.figures import occlusion_windows
 
     assert main(["inspect", "--checkpoint", str(gray_model), "--samples", "2", "--out", str(tmp_path / "r"),
                  "--threads", "1"]) == 0  # fmt: skip
@@ -297,8 +297,8 @@ def test_data_pack_writes_shards_that_read_back_train_and_evaluate(tmp_path, cap
     from collections import Counter
 
     from helpers import fingerprint, write_image_folder
-    from vitkit.image_folder import ImageFolder
-    from vitkit.shards import ShardedDataset
+    from vitkit.data.image_folder import ImageFolder
+    from vitkit.data.shards import ShardedDataset
 
     root, out, run = write_image_folder(tmp_path / "photos", per_class=4), tmp_path / "packed", tmp_path / "run"
     done = run_vitkit("data", "pack", str(root), str(out), "--samples-per-shard", "3")
@@ -335,9 +335,9 @@ def test_eval_and_predict_precision_int8_say_what_they_calibrated_on(gray_model,
     args = ["eval", "--checkpoint", str(gray_model), "--data", "shapes", "--batch-size", "100", "--threads", "1"]
     import torch
 
-    from vitkit import copies
+    from vitkit.speed import openvino_copy
 
-    in_openvino = copies.openvino_pays("fp32", torch.device("cpu")) and copies.nncf_available()
+    in_openvino = openvino_copy.openvino_pays("fp32", torch.device("cpu")) and openvino_copy.nncf_available()
     what = "int8 (OpenVINO)" if in_openvino else "int8"  # which quantizer "auto" picks here
     assert main([*args, "--precision", "int8", "--calibration-images", "32"]) == 0
     out = capsys.readouterr().out
@@ -383,7 +383,7 @@ def test_eval_runtime_openvino_gives_the_torch_copys_fp32_accuracy_and_needs_the
 def test_runtime_auto_hands_over_to_openvino_only_for_work_that_pays_back_the_conversion():
     import argparse
 
-    from vitkit.commands import OPENVINO_MIN_FLOP, _runtime
+    from vitkit.cli.commands import OPENVINO_MIN_FLOP, _runtime
 
     model = vitkit.create_model("ViT-S/16")
     enough = int(OPENVINO_MIN_FLOP // vitkit.flops(model.config)) + 1  # about 300 images of 224 px

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vitkit
-from vitkit.cli import main
+from vitkit.cli.parser import main
 
 
 def run_cli(argv, capsys) -> tuple[int, str]:

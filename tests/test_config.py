@@ -1,7 +1,7 @@
 import pytest
 
 import vitkit
-from vitkit.config import ResNetConfig, ViTConfig, decode_variant
+from vitkit.models.config import ResNetConfig, ViTConfig, decode_variant
 
 # Typed in, as timm reports them; test_efficiency.py also counts timm's and Hugging Face's models on the spot.
 EXPECTED_PARAMS = {

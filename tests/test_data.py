@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from vitkit import data, data_survey
-from vitkit.data import CIFAR, IDX_FILES, ShapesDataset, get_dataset, read_idx, safe_unpickle
-from vitkit.image_folder import pack_image_folder
+from vitkit.data import datasets as data
+from vitkit.data import survey as data_survey
+from vitkit.data.datasets import CIFAR, IDX_FILES, ShapesDataset, get_dataset, read_idx, safe_unpickle
+from vitkit.data.image_folder import pack_image_folder
 
 
 def test_shapes_are_deterministic_and_splits_differ():
@@ -46,7 +47,7 @@ def test_shapes_reject_bad_arguments():
 
 
 def test_to_input_scales_to_minus_one_one_and_replicates_gray():
-    from vitkit.data import to_input
+    from vitkit.data.datasets import to_input
 
     gray = torch.tensor([[[0, 255], [255, 0]]], dtype=torch.uint8)  # (1, 2, 2)
     x = to_input(gray)
@@ -61,7 +62,7 @@ def test_rgb_photos_reach_a_one_channel_model_as_pillows_grayscale():
     from skimage.data import chelsea
 
     import vitkit
-    from vitkit.data import to_input
+    from vitkit.data.datasets import to_input
 
     photo = chelsea()  # (300, 451, 3) uint8, a real photograph
     gray = torch.from_numpy(np.asarray(Image.fromarray(photo).convert("L")).copy())[None]  # Pillow's luma
@@ -263,7 +264,7 @@ def test_image_folder_without_split_dirs_holds_out_a_deterministic_fraction(tmp_
 
 
 def test_a_folder_with_train_and_test_holds_val_out_of_train_and_reads_test_whole(tmp_path):
-    from vitkit.data import training_splits
+    from vitkit.data.datasets import training_splits
 
     make_image_folder(tmp_path, split_dirs=True)
     (tmp_path / "val").rename(tmp_path / "test")  # train/ and test/: val comes out of train/
@@ -279,7 +280,7 @@ def test_a_folder_with_train_and_test_holds_val_out_of_train_and_reads_test_whol
 
 
 def test_a_dataset_of_its_own_holds_a_tenth_of_each_class_out_for_val_and_keeps_its_test_set():
-    from vitkit.data import VAL_FRACTION, training_splits
+    from vitkit.data.datasets import VAL_FRACTION, training_splits
 
     train, val, test = training_splits("mnist-5k")
     whole = get_dataset("mnist-5k", "train")
@@ -294,7 +295,7 @@ def test_a_dataset_of_its_own_holds_a_tenth_of_each_class_out_for_val_and_keeps_
 
 
 def test_subset_is_a_fixed_sample_that_keeps_classes_and_augmentation():
-    from vitkit.data import subset
+    from vitkit.data.datasets import subset
 
     shapes = get_dataset("shapes", "train", size=40, image_size=16)
     a, b = subset(shapes, 12), subset(shapes, 12)
@@ -333,8 +334,8 @@ def write_small_digits(root, per_class: int = 6, size: int = 8) -> None:
 def test_mirror_agreement_tells_digits_from_classes_that_look_alike_mirrored():
     from sklearn.datasets import load_digits
 
-    from vitkit.data import ImageArrayDataset
-    from vitkit.data_survey import mirror_agreement
+    from vitkit.data.datasets import ImageArrayDataset
+    from vitkit.data.survey import mirror_agreement
 
     digits = load_digits()  # 1,797 real 8x8 digits: mirrored, most are another digit or none
     images = torch.from_numpy(np.round(digits.images * 255 / 16).astype(np.uint8))[:, None]

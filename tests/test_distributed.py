@@ -14,10 +14,10 @@ from helpers import SMALL_ENCODER as TINY
 from helpers import assert_same_weights as assert_close
 from helpers import run_weights as weights
 from helpers import subprocess_env
-from vitkit.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
-from vitkit.recipes import TrainConfig, build_optimizer
-from vitkit.runs import read_checkpoint
-from vitkit.training import train
+from vitkit.training.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
+from vitkit.training.loop import train
+from vitkit.training.recipes import TrainConfig, build_optimizer
+from vitkit.training.runs import read_checkpoint
 
 ENV = subprocess_env()
 # SGD (Adam turns rounding noise into lr-sized steps, see test_training) and a clip threshold that every step

@@ -68,9 +68,9 @@ def test_the_deploying_snippets_reproduce_vitkits_logits_on_photographs(in_chans
     from skimage import data
 
     import vitkit
-    from vitkit.augment import eval_batch
-    from vitkit.copies import openvino_core
-    from vitkit.images import read_image
+    from vitkit.data.augment import eval_batch
+    from vitkit.data.images import read_image
+    from vitkit.speed.openvino_copy import openvino_core
 
     export, onnxruntime_block, openvino_block = python_blocks(ROOT / "docs/USAGE.md", "## Deploying")
     monkeypatch.chdir(tmp_path)

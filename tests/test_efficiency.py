@@ -5,7 +5,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 import vitkit
-from vitkit.config import decode_variant
+from vitkit.models.config import decode_variant
 
 
 def test_vit_b16_is_35_1_gflops():

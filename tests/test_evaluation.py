@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import vitkit
-from vitkit.data import ImageArrayDataset
-from vitkit.evaluation import features, fewshot, least_squares_fit, least_squares_predict
+from vitkit.data.datasets import ImageArrayDataset
+from vitkit.training.evaluation import features, fewshot, least_squares_fit, least_squares_predict
 
 
 def test_least_squares_fit_matches_numpy_ridge_regression():
@@ -66,7 +66,7 @@ def test_fewshot_refuses_more_shots_than_the_rarest_class_has(tiny_vit):
 
 
 def test_cli_eval_fewshot_prints_each_shot(tmp_path, capsys, tiny_vit):
-    from vitkit.cli import main
+    from vitkit.cli.parser import main
 
     model = vitkit.create_model(
         "ViT-Ti/8", image_size=16, num_classes=6, hidden_size=16, num_layers=1, mlp_dim=16, num_heads=2

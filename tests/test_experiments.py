@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from vitkit.cli import main
-from vitkit.experiment_runs import config_hash, experiment
-from vitkit.experiments import EXPERIMENTS, PRESETS, Setting
-from vitkit.recipes import SMALL_MODEL_ARGS, TrainConfig
+from vitkit.analysis.experiment_runs import config_hash, experiment
+from vitkit.analysis.experiments import EXPERIMENTS, PRESETS, Setting
+from vitkit.cli.parser import main
+from vitkit.training.recipes import SMALL_MODEL_ARGS, TrainConfig
 
 
 def test_config_hash_ignores_key_order_and_sees_values():
@@ -73,11 +73,11 @@ def test_every_tiny_experiment_writes_results_and_a_second_call_trains_nothing(t
 
 def test_from_scratch_runs_build_the_checkpoints_own_architecture(tmp_path):
     import vitkit
-    from vitkit.data import get_dataset
-    from vitkit.experiments import PRESETS, Setting, _checkpoint_architecture
-    from vitkit.fitted import resolve
-    from vitkit.recipes import TrainConfig
-    from vitkit.training import initial_model
+    from vitkit.analysis.experiments import PRESETS, Setting, _checkpoint_architecture
+    from vitkit.data.datasets import get_dataset
+    from vitkit.training.fitted import resolve
+    from vitkit.training.loop import initial_model
+    from vitkit.training.recipes import TrainConfig
 
     pre = vitkit.create_model(
         "ViT-S/14",
@@ -104,8 +104,8 @@ def test_a_missing_pretrained_checkpoint_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_experiments_share_the_trainings_they_have_in_common(tmp_path):
-    from vitkit.experiment_runs import run_key, stand_in_checkpoint
-    from vitkit.experiments import PRESETS, Setting
+    from vitkit.analysis.experiment_runs import run_key, stand_in_checkpoint
+    from vitkit.analysis.experiments import PRESETS, Setting
 
     setting = Setting(PRESETS["tiny"], 1, stand_in_checkpoint(tmp_path, PRESETS["tiny"]))
     keys = {
@@ -128,7 +128,7 @@ def test_experiments_share_the_trainings_they_have_in_common(tmp_path):
 
 @pytest.mark.slow
 def test_the_tiny_attribution_experiment_writes_a_row_per_model_and_method(tmp_path):
-    from vitkit.attribution import ATTENTION_METHODS, LABELS, METHODS
+    from vitkit.analysis.attribution import ATTENTION_METHODS, LABELS, METHODS
 
     result = experiment("attribution", preset="tiny", out=tmp_path, threads=1, progress=False)
     data = json.loads(result.files["results"].read_text())
@@ -151,7 +151,7 @@ def test_the_tiny_attribution_experiment_writes_a_row_per_model_and_method(tmp_p
 
 
 def test_the_attribution_experiment_measures_the_models_other_experiments_train(tmp_path):
-    from vitkit.experiment_runs import run_key, stand_in_checkpoint
+    from vitkit.analysis.experiment_runs import run_key, stand_in_checkpoint
 
     setting = Setting(PRESETS["tiny"], 1, stand_in_checkpoint(tmp_path, PRESETS["tiny"]))
     keys = lambda name: {tuple(sorted(r.labels.items())): run_key(r) for r in EXPERIMENTS[name].runs(setting)}  # noqa: E731

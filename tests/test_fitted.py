@@ -3,10 +3,10 @@ import torch
 
 import vitkit
 from helpers import SMALL_ENCODER
-from vitkit import fitted
-from vitkit.config import decode_variant
-from vitkit.data import get_dataset
-from vitkit.fitted import (
+from vitkit.data.datasets import get_dataset
+from vitkit.models.config import decode_variant
+from vitkit.training import fitted
+from vitkit.training.fitted import (
     ResolvedRun,
     Start,
     choose_start,
@@ -19,7 +19,7 @@ from vitkit.fitted import (
     resolve,
     transfer_length,
 )
-from vitkit.recipes import (
+from vitkit.training.recipes import (
     MIRROR_FLIP,
     SCRATCH_MIN_STEPS,
     TRANSFER_CHECKPOINT,

@@ -14,11 +14,11 @@ from PIL import Image
 
 import vitkit
 from helpers import write_image_folder
-from vitkit.cli import main
-from vitkit.data import get_dataset
+from vitkit.cli.parser import main
+from vitkit.data.datasets import get_dataset
+from vitkit.data.images import MAX_PIXELS, SkippedImageWarning, read_image
 from vitkit.errors import ImageError
-from vitkit.evaluation import evaluate
-from vitkit.images import MAX_PIXELS, SkippedImageWarning, read_image
+from vitkit.training.evaluation import evaluate
 
 BAD = ("truncated.jpg", "empty.jpg", "notes.png", "bomb.png")
 
@@ -194,7 +194,7 @@ def test_a_dead_dataloader_worker_is_reported_not_waited_on(tmp_path):
     import signal
 
     from vitkit.errors import WorkerError
-    from vitkit.evaluation import batches
+    from vitkit.training.evaluation import batches
 
     class Killer(torch.utils.data.Dataset):
         def __len__(self):
@@ -211,8 +211,8 @@ def test_a_dead_dataloader_worker_is_reported_not_waited_on(tmp_path):
 def test_training_on_an_image_folder_skips_bad_files_and_counts_them_in_the_summary(tmp_path):
     import json
 
-    from vitkit.recipes import TrainConfig
-    from vitkit.training import train
+    from vitkit.training.loop import train
+    from vitkit.training.recipes import TrainConfig
 
     root = image_folder(tmp_path / "folder")
     spec = dict(
@@ -236,7 +236,7 @@ def test_training_on_an_image_folder_skips_bad_files_and_counts_them_in_the_summ
 
 
 def test_hidden_files_and_folders_are_neither_classes_nor_images(tmp_path):
-    from vitkit.evaluation import image_files
+    from vitkit.training.evaluation import image_files
 
     pixels = np.zeros((8, 8, 3), np.uint8)
     for path in ("cat/1.png", "cat/sub/2.png", "dog/3.png", "cat/.ipynb_checkpoints/1-checkpoint.png",
@@ -253,7 +253,7 @@ def test_hidden_files_and_folders_are_neither_classes_nor_images(tmp_path):
 
 
 def test_a_folder_given_as_an_image_file_is_named_a_folder(tmp_path):
-    from vitkit.images import read_image
+    from vitkit.data.images import read_image
 
     with pytest.raises(IsADirectoryError, match="a folder, not an image file"):
         read_image(tmp_path)

@@ -11,10 +11,11 @@ import torch
 
 import vitkit
 from helpers import subprocess_env
-from vitkit import copies, machine
-from vitkit import inference as opt
-from vitkit.inference import PackedLinear, optimize
-from vitkit.runtimes import own_kernels_copy
+from vitkit.speed import copies, int8_copy, machine, openvino_copy, torch_copy
+from vitkit.speed import optimize as rule
+from vitkit.speed.optimize import optimize
+from vitkit.speed.runtimes import own_kernels_copy
+from vitkit.speed.torch_copy import PackedLinear
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "mlp_dim": 64, "num_heads": 4, "num_classes": 10, "image_size": 32}
 
@@ -42,9 +43,9 @@ def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
     model = small_model(**overrides)
     x = torch.randn(3, 3, 32, 32)
     fast = optimize(model, "fp32", runtime="torch")
-    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_pays("fp32")
+    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == torch_copy.packing_pays("fp32")
     # The packed copy whether or not this CPU packs by default, so both paths are checked on every machine.
-    copies = [fast, optimize(model, "fp32", pack=True)] if opt.packing_available("fp32") else [fast]
+    copies = [fast, optimize(model, "fp32", pack=True)] if torch_copy.packing_available("fp32") else [fast]
     with torch.no_grad():
         for fast in copies:
             torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
@@ -57,27 +58,27 @@ def test_fp32_fast_path_gives_the_plain_models_logits(overrides):
 def test_fp32_packs_by_default_only_on_cpus_with_avx512_and_bf16_wherever_it_can(monkeypatch):
     for avx512 in (True, False):
         monkeypatch.setattr(machine, "avx512", lambda avx512=avx512: avx512)
-        assert opt.packing_pays("fp32") == (avx512 and opt.packing_available("fp32"))
-        assert opt.packing_pays("bf16") == opt.packing_available("bf16")
+        assert torch_copy.packing_pays("fp32") == (avx512 and torch_copy.packing_available("fp32"))
+        assert torch_copy.packing_pays("bf16") == torch_copy.packing_available("bf16")
 
 
 def test_packed_linear_equals_f_linear_for_any_leading_shape():
-    if not opt.packing_available("fp32"):
+    if not torch_copy.packing_available("fp32"):
         pytest.skip("this torch build has no MKL (torch.ops.mkl._mkl_linear)")
     linear = torch.nn.Linear(24, 40)
     packed = PackedLinear(linear)
-    for shape in [(5, 24), (2, 7, 24), (1, 1, 24), (opt.PACKED_MAX_ROWS + 1, 24)]:
+    for shape in [(5, 24), (2, 7, 24), (1, 1, 24), (torch_copy.PACKED_MAX_ROWS + 1, 24)]:
         x = torch.randn(shape)
         torch.testing.assert_close(packed(x), linear(x).detach(), rtol=0, atol=1e-5)
 
 
 def test_bf16_packed_linear_equals_f_linear_in_bf16_for_any_leading_shape():
-    if not opt.packing_available("bf16"):
+    if not torch_copy.packing_available("bf16"):
         pytest.skip("no native bf16 on this CPU (AVX-512 BF16 / AMX) or no oneDNN: bf16 weights are not packed")
     linear = torch.nn.Linear(24, 40).to(torch.bfloat16)
     packed = PackedLinear(linear)
     assert "oneDNN" in repr(packed)
-    for shape in [(5, 24), (2, 7, 24), (1, 1, 24), (opt.PACKED_MAX_ROWS + 1, 24)]:
+    for shape in [(5, 24), (2, 7, 24), (1, 1, 24), (torch_copy.PACKED_MAX_ROWS + 1, 24)]:
         x = torch.randn(shape, dtype=torch.bfloat16)
         torch.testing.assert_close(packed(x), linear(x).detach())  # bf16's own tolerance (rtol 1.6e-2)
 
@@ -88,7 +89,7 @@ def test_bf16_fast_path_is_within_bf16_rounding_of_the_plain_model():
     with pytest.warns(UserWarning, match="emulated") if not machine.bf16_is_native() else contextlib.nullcontext():
         fast = optimize(model, "bf16", runtime="torch")
     assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
-    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == opt.packing_pays("bf16")
+    assert any(isinstance(m, PackedLinear) for m in fast.modules()) == torch_copy.packing_pays("bf16")
     with torch.no_grad():
         want = model(x)
         got = fast(x)  # fp32 images in, bf16 logits out
@@ -125,9 +126,9 @@ LIBRARY_CASES = [("fp32", "mkl"), ("fp32", "onednn"), ("bf16", "onednn")]
 
 
 def skip_unless_packable(precision: str, library: str) -> None:
-    if not opt.library_available(library):
+    if not torch_copy.library_available(library):
         pytest.skip(f"this torch build has no {library} (torch.ops.mkl._mkl_linear / mkldnn._linear_pointwise)")
-    if precision == "bf16" and not opt.packing_available("bf16"):
+    if precision == "bf16" and not torch_copy.packing_available("bf16"):
         pytest.skip("no native bf16 on this CPU (AVX-512 BF16 / AMX): bf16 weights are not packed")
 
 
@@ -148,20 +149,20 @@ def test_packed_linear_runs_the_gemm_packed_for_each_row_count(precision, librar
         torch.testing.assert_close(packed(torch.randn(14, 24, dtype=dtype)), linear.bias.expand(14, 40), rtol=0, atol=0)
         # above the limit: MKL F.linear, nothing packed; oneDNN the packing for 1 row
         torch.testing.assert_close(
-            packed(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
-            linear(torch.ones(opt.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
+            packed(torch.ones(torch_copy.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
+            linear(torch.ones(torch_copy.PACKED_MAX_ROWS + 1, 24, dtype=dtype)),
         )
         assert list(packed.packings) == ([14] if library == "mkl" else [14, 1])
-        for rows in range(1, opt.MAX_PACKINGS + 2):
+        for rows in range(1, torch_copy.MAX_PACKINGS + 2):
             packed(torch.randn(rows, 24, dtype=dtype))
-        assert list(packed.packings) == list(range(2, opt.MAX_PACKINGS + 2))  # the oldest dropped first
+        assert list(packed.packings) == list(range(2, torch_copy.MAX_PACKINGS + 2))  # the oldest dropped first
 
 
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
 def test_fp32_copies_packed_for_either_library_give_the_plain_models_logits(library, monkeypatch):
     """Whichever library this CPU packs fp32 for by default (`fp32_library`), both are checked on every machine."""
     skip_unless_packable("fp32", library)
-    monkeypatch.setattr(opt, "fp32_library", lambda: library)
+    monkeypatch.setattr(torch_copy, "fp32_library", lambda: library)
     model = small_model()
     fast = optimize(model, "fp32", pack=True)
     assert {m.library for m in fast.modules() if isinstance(m, PackedLinear)} == {library}
@@ -173,12 +174,12 @@ def test_fp32_copies_packed_for_either_library_give_the_plain_models_logits(libr
 
 
 def test_fp32_library_is_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch):
-    both = opt.library_available("mkl") and opt.library_available("onednn")
+    both = torch_copy.library_available("mkl") and torch_copy.library_available("onednn")
     if not both:
         pytest.skip("this torch build lacks MKL or oneDNN, so there is no choice to make")
     for intel, library in ((True, "mkl"), (False, "onednn")):
         monkeypatch.setattr(machine, "cpu_is_intel", lambda intel=intel: intel)
-        assert opt.fp32_library() == library
+        assert torch_copy.fp32_library() == library
         assert PackedLinear(torch.nn.Linear(4, 4)).library == library
     assert PackedLinear(torch.nn.Linear(4, 4).to(torch.bfloat16)).library == "onednn"
     with pytest.raises(ValueError, match="'mkl' for fp32 weights only"):
@@ -187,7 +188,7 @@ def test_fp32_library_is_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_mlps_gelu_moves_into_the_packed_first_layer_and_copies_repack(precision):
-    if not opt.packing_available(precision):
+    if not torch_copy.packing_available(precision):
         pytest.skip(f"this CPU or torch build cannot pack {precision} weights (MKL; oneDNN with native bf16)")
     model = small_model(act="gelu_tanh")
     fast = optimize(model, precision, pack=True)  # also where packing does not pay by default (fp32, AVX2)
@@ -225,7 +226,7 @@ def test_compiled_fast_path_gives_the_plain_models_logits():
 def test_predict_and_eval_give_the_same_answers_with_and_without_optimize(tmp_path, capsys):
     from PIL import Image
 
-    from vitkit.cli import main
+    from vitkit.cli.parser import main
 
     model = small_model(num_classes=6)  # shapes has 6 classes
     model.class_names = [f"class{i}" for i in range(6)]
@@ -296,7 +297,9 @@ def test_openvino_copy_gives_the_models_logits_at_any_batch_size(overrides):
     needs_openvino()
     model = small_model(**overrides)
     fast = optimize(model, "fp32", runtime="openvino")
-    assert isinstance(fast, copies.OpenVINOModel) and fast.config == model.config and "OpenVINO fp32" in repr(fast)
+    assert (
+        isinstance(fast, openvino_copy.OpenVINOModel) and fast.config == model.config and "OpenVINO fp32" in repr(fast)
+    )
     with torch.no_grad():
         for batch in (1, 5):
             x = torch.randn(batch, 3, 32, 32)
@@ -331,13 +334,13 @@ def test_openvino_copy_runs_a_small_models_small_batches_whole_and_larger_ones_i
     needs_openvino()
     model = small_model()
     image = vitkit.flops(model.config)
-    assert image * 2 < copies.STREAM_MIN_FLOPS  # small enough that a batch of two is not split
+    assert image * 2 < openvino_copy.STREAM_MIN_FLOPS  # small enough that a batch of two is not split
     fast = optimize(model, "fp32", runtime="openvino")
     assert fast.split_from > 2 and fast.small is not fast.single and f"from {fast.split_from} images" in repr(fast)
-    assert (fast.split_from - 1) * image < copies.STREAM_MIN_FLOPS * fast.streams <= fast.split_from * image
+    assert (fast.split_from - 1) * image < openvino_copy.STREAM_MIN_FLOPS * fast.streams <= fast.split_from * image
     split = []
     monkeypatch.setattr(
-        fast, "split", lambda array: split.append(len(array)) or copies.OpenVINOModel.split(fast, array)
+        fast, "split", lambda array: split.append(len(array)) or openvino_copy.OpenVINOModel.split(fast, array)
     )
     with torch.no_grad():
         outputs = []
@@ -354,7 +357,7 @@ def test_openvino_copy_runs_a_small_models_small_batches_whole_and_larger_ones_i
 def test_openvino_copy_splits_every_batch_of_a_model_with_enough_work_in_one_image():
     needs_openvino()
     model = small_model(hidden_size=256, mlp_dim=1024, image_size=64, patch_size=4)  # 256 patches: 1.1 GFLOP
-    assert vitkit.flops(model.config) >= copies.STREAM_MIN_FLOPS
+    assert vitkit.flops(model.config) >= openvino_copy.STREAM_MIN_FLOPS
     fast = optimize(model, "fp32", runtime="openvino")
     assert fast.split_from == 2 and fast.small is fast.single and "from" not in repr(fast)
     with torch.no_grad():
@@ -373,11 +376,11 @@ def test_openvino_copy_compiles_attention_as_openvino_does_the_exported_graph(tm
 
     def layers(compiled) -> collections.Counter:
         ops = compiled.get_runtime_model().get_ordered_ops()
-        return collections.Counter(copies.layer_type(op) for op in ops)
+        return collections.Counter(openvino_copy.layer_type(op) for op in ops)
 
     ours = layers(optimize(model, "fp32", runtime="openvino").single)
     vitkit.export(model, tmp_path / "model.onnx")
-    exported = copies.openvino_core().compile_model(
+    exported = openvino_copy.openvino_core().compile_model(
         str(tmp_path / "model.onnx"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
     )
     theirs = layers(exported)
@@ -446,16 +449,16 @@ def test_signals_are_handled_after_openvino_copies_are_freed_in_the_order_they_w
     needs_openvino()
     out = run_in_a_fresh_process(SIGNALS_AFTER_OPENVINO)
     assert out.returncode == 0 and out.stdout.split() == ["KeyboardInterrupt"], (out.returncode, out.stderr[-2000:])
-    assert copies.openvino_core() is copies.openvino_core()
+    assert openvino_copy.openvino_core() is openvino_copy.openvino_core()
 
 
 def test_auto_runs_openvino_exactly_where_it_pays_and_never_with_torchs_options(monkeypatch):
     needs_openvino()
     model = small_model()
     for pays in (True, False):
-        monkeypatch.setattr(copies, "openvino_pays", lambda precision, device, pays=pays: pays)
-        assert isinstance(optimize(model, "fp32"), copies.OpenVINOModel) == pays
-    monkeypatch.setattr(copies, "openvino_pays", lambda precision, device: True)
+        monkeypatch.setattr(openvino_copy, "openvino_pays", lambda precision, device, pays=pays: pays)
+        assert isinstance(optimize(model, "fp32"), openvino_copy.OpenVINOModel) == pays
+    monkeypatch.setattr(openvino_copy, "openvino_pays", lambda precision, device: True)
     assert isinstance(optimize(model, "fp32", pack=False), vitkit.VisionTransformer)
     assert isinstance(optimize(model, "fp32", runtime="torch"), vitkit.VisionTransformer)
 
@@ -465,9 +468,9 @@ def test_single_images_run_with_vitkits_kernels_only_in_bf16_on_wide_models_with
     for native, amx, expected in [(True, False, True), (True, True, False), (False, False, False)]:
         monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
         monkeypatch.setattr(machine, "amx", lambda amx=amx: amx)
-        assert opt.torch_pays_for_single_images(wide, "bf16") == expected
-        assert not opt.torch_pays_for_single_images(narrow, "bf16")
-        assert not opt.torch_pays_for_single_images(wide, "fp32")
+        assert rule.torch_pays_for_single_images(wide, "bf16") == expected
+        assert not rule.torch_pays_for_single_images(narrow, "bf16")
+        assert not rule.torch_pays_for_single_images(wide, "fp32")
 
 
 def test_where_vitkits_kernels_pay_for_single_images_auto_hands_them_only_single_images(monkeypatch):
@@ -475,9 +478,9 @@ def test_where_vitkits_kernels_pay_for_single_images_auto_hands_them_only_single
     batches still run in OpenVINO, both with the model's logits; runtime="openvino" keeps OpenVINO for everything."""
     needs_openvino()
     model = small_model()
-    monkeypatch.setattr(opt, "torch_pays_for_single_images", lambda config, precision: True)
+    monkeypatch.setattr(rule, "torch_pays_for_single_images", lambda config, precision: True)
     fast = optimize(model, "fp32")
-    assert isinstance(fast, copies.OpenVINOModel) and isinstance(fast.single_images, vitkit.VisionTransformer)
+    assert isinstance(fast, openvino_copy.OpenVINOModel) and isinstance(fast.single_images, vitkit.VisionTransformer)
     assert "single images with vitkit's kernels" in repr(fast) and "\n" not in repr(fast)  # not the copy's layers
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
@@ -496,23 +499,23 @@ def test_where_vitkits_kernels_pay_for_single_images_auto_hands_them_only_single
 
 def test_openvino_pays_on_x86_cpus_where_it_is_installed_in_native_precisions(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(copies, "openvino_available", lambda: True)
+    monkeypatch.setattr(openvino_copy, "openvino_available", lambda: True)
     monkeypatch.setattr(machine, "x86", lambda: True)
     for native in (True, False):
         monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
-        assert copies.openvino_pays("fp32", cpu) and copies.openvino_pays("bf16", cpu) == native
-    assert not copies.openvino_pays("fp32", torch.device("cuda"))
+        assert openvino_copy.openvino_pays("fp32", cpu) and openvino_copy.openvino_pays("bf16", cpu) == native
+    assert not openvino_copy.openvino_pays("fp32", torch.device("cuda"))
     monkeypatch.setattr(machine, "x86", lambda: False)
-    assert not copies.openvino_pays("fp32", cpu)
+    assert not openvino_copy.openvino_pays("fp32", cpu)
     monkeypatch.setattr(machine, "x86", lambda: True)
-    monkeypatch.setattr(copies, "openvino_available", lambda: False)
-    assert not copies.openvino_pays("fp32", cpu)
+    monkeypatch.setattr(openvino_copy, "openvino_available", lambda: False)
+    assert not openvino_copy.openvino_pays("fp32", cpu)
 
 
 def test_auto_falls_back_to_vitkits_kernels_with_a_warning_when_openvino_fails(monkeypatch):
     needs_openvino()
-    monkeypatch.setattr(copies, "openvino_pays", lambda precision, device: True)
-    monkeypatch.setattr(copies, "OPENVINO_TOLERANCE", {"fp32": -1.0, "bf16": -1.0})  # no logits can pass
+    monkeypatch.setattr(openvino_copy, "openvino_pays", lambda precision, device: True)
+    monkeypatch.setattr(openvino_copy, "OPENVINO_TOLERANCE", {"fp32": -1.0, "bf16": -1.0})  # no logits can pass
     with pytest.warns(UserWarning, match="logits differ from the model's .* vitkit's own kernels run it instead"):
         fast = optimize(small_model(), "fp32")
     assert isinstance(fast, vitkit.VisionTransformer)
@@ -528,7 +531,7 @@ def test_openvino_refusals_name_the_fix(monkeypatch):
         optimize(model, "int8", runtime="onnx", calibration=torch.randn(2, 3, 32, 32))
     with pytest.raises(ValueError, match="those are torch's"):
         optimize(model, "fp32", runtime="openvino", pack=True)
-    monkeypatch.setattr(copies, "openvino_available", lambda: False)
+    monkeypatch.setattr(openvino_copy, "openvino_available", lambda: False)
     with pytest.raises(ValueError, match="pip install openvino"):
         optimize(model, "fp32", runtime="openvino")
     with pytest.raises(ValueError, match="needs OpenVINO and NNCF: pip install openvino nncf"):
@@ -577,7 +580,7 @@ def test_auto_never_chooses_int8_even_where_int8_is_fast(monkeypatch):
         monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu", native=native: native)
         assert machine.resolve_precision("auto") == ("bf16" if native else "fp32")
     fast = optimize(small_model())
-    assert not isinstance(fast, copies.Int8Model) and all(p.is_floating_point() for p in fast.parameters())
+    assert not isinstance(fast, int8_copy.Int8Model) and all(p.is_floating_point() for p in fast.parameters())
 
 
 @pytest.mark.parametrize(
@@ -665,7 +668,7 @@ def test_int8_in_openvino_calibrates_a_few_images_a_pass_whatever_the_batches(mo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
         optimize(small_model(), "int8", calibration=[torch.randn(20, 3, 32, 32), torch.randn(3, 3, 32, 32)])
-    assert sum(passes) == 23 and max(passes) == copies.NNCF_CALIBRATION_BATCH, passes
+    assert sum(passes) == 23 and max(passes) == openvino_copy.NNCF_CALIBRATION_BATCH, passes
 
 
 def test_int8_refuses_a_copy_whose_linear_layers_the_quantizer_left_in_fp32(monkeypatch):
@@ -732,7 +735,7 @@ def test_openvino_int8_is_what_auto_picks_and_keeps_a_trained_models_accuracy_at
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
         quantized = optimize(model, "int8", calibration=train_images[:256])
-    assert isinstance(quantized, copies.OpenVINOModel) and "OpenVINO int8" in repr(quantized)
+    assert isinstance(quantized, openvino_copy.OpenVINOModel) and "OpenVINO int8" in repr(quantized)
     assert quantized.config == model.config and capsys.readouterr().out == ""
     with torch.no_grad():
         fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()
@@ -803,12 +806,14 @@ def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_wher
     import nncf
 
     model, images = small_model(), torch.randn(4, 3, 32, 32)
-    monkeypatch.setattr(copies, "nncf_available", lambda: False)
+    monkeypatch.setattr(openvino_copy, "nncf_available", lambda: False)
     with pytest.raises(ValueError, match="needs OpenVINO and NNCF: pip install openvino nncf"):
         optimize(model, "int8", calibration=images, runtime="openvino")
     pt2e = optimize(model, "int8", calibration=images)
     assert (
-        isinstance(pt2e, copies.Int8Model) and repr(pt2e).startswith("Int8Model(PT2E int8") and "\n" not in repr(pt2e)
+        isinstance(pt2e, int8_copy.Int8Model)
+        and repr(pt2e).startswith("Int8Model(PT2E int8")
+        and "\n" not in repr(pt2e)
     )
     monkeypatch.undo()
     monkeypatch.setattr(nncf, "quantize", lambda graph, *args, **kwargs: graph)  # quantizes nothing
@@ -816,7 +821,7 @@ def test_int8_runtime_choice_needs_nncf_for_openvino_and_falls_back_to_pt2e_wher
     with pytest.raises(ValueError, match=f"NNCF quantized 0 of the compiled graph's {linears} linear layers"):
         optimize(model, "int8", calibration=images, runtime="openvino")
     with pytest.warns(UserWarning, match="PT2E quantizes it instead"):
-        assert isinstance(optimize(model, "int8", calibration=images), copies.Int8Model)
+        assert isinstance(optimize(model, "int8", calibration=images), int8_copy.Int8Model)
 
 
 @pytest.mark.slow
@@ -828,14 +833,14 @@ def test_int8_keeps_a_trained_models_accuracy_and_matches_the_quantized_referenc
     needs_torchao()
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(copies, "int8_mixes_bf16", lambda: False)
+    monkeypatch.setattr(int8_copy, "int8_mixes_bf16", lambda: False)
 
     model, train_images, _, test_images, test_labels = trained_digits_model()
     counters.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
         quantized = optimize(model, "int8", calibration=train_images[:256], runtime="torch")
-    assert isinstance(quantized, copies.Int8Model) and quantized.config == model.config
+    assert isinstance(quantized, int8_copy.Int8Model) and quantized.config == model.config
     with torch.no_grad():
         fp32_top1 = (model(test_images).argmax(1) == test_labels).float().mean().item()
         logits = quantized(test_images)
@@ -895,7 +900,7 @@ def test_int8_with_the_layers_between_in_bf16_keeps_a_trained_models_accuracy(mo
     model, train_images, _, test_images, test_labels = trained_digits_model()
     copies_of = {}
     for mix in (False, True):
-        monkeypatch.setattr(copies, "int8_mixes_bf16", lambda mix=mix: mix)
+        monkeypatch.setattr(int8_copy, "int8_mixes_bf16", lambda mix=mix: mix)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the missing-fast-path warning, on CPUs without VNNI: tested above
             copies_of[mix] = optimize(model, "int8", calibration=train_images[:256], runtime="torch")

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import perturbed, tiny
-from vitkit import kernels, machine
-from vitkit.architectures import new_model
-from vitkit.model import Attention, EncoderBlock
+from vitkit.models.architectures import new_model
+from vitkit.models.vit import Attention, EncoderBlock
+from vitkit.speed import kernels, machine
 
 needs_onednn = pytest.mark.skipif(
     not kernels.library_available("onednn"), reason="this torch build has no oneDNN (torch.backends.mkldnn)"

@@ -1,4 +1,4 @@
-"""`vitkit.machine`: the facts about this machine that choose code paths (read once),
+"""`vitkit.speed.machine`: the facts about this machine that choose code paths (read once),
 `retain_freed_memory`, which keeps glibc's malloc from handing each step's memory back to the system, and
 `ThreadWatch`, which keeps a run's threads to the cores it gets."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import SRC
-from vitkit import machine
+from vitkit.speed import machine
 
 
 def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them():
@@ -55,7 +55,7 @@ def test_compiler_present_is_false_without_a_cxx_compiler_or_pythons_headers(mon
 # blocks of 4 MiB, writes them and frees them all, five times over, and counts the page faults of the last four.
 FAULTS = """
 import resource, sys, torch
-from vitkit import machine
+from vitkit.speed import machine
 def faults():
     for i in range(5):
         if i == 1:

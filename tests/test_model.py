@@ -7,8 +7,8 @@ from scipy.ndimage import zoom
 
 import vitkit
 from helpers import perturbed, tiny
-from vitkit.config import POSEMBS, decode_variant
-from vitkit.model import RelativePosemb, VisionTransformer
+from vitkit.models.config import POSEMBS, decode_variant
+from vitkit.models.vit import RelativePosemb, VisionTransformer
 
 # Even on the meta device a ResNet stem or a ViT-H takes seconds.
 VARIANTS = [pytest.param(n, marks=pytest.mark.slow) if "+" in n or "-H/" in n else n for n in vitkit.list_models()]

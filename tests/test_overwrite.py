@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import vitkit
-from vitkit.cli import main
+from vitkit.cli.parser import main
 from vitkit.files import refuse_overwrite
-from vitkit.runs import claim_run_dir
+from vitkit.training.runs import claim_run_dir
 
 
 def run_cli(argv, capsys) -> tuple[int, str]:

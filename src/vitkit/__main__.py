@@ -3,12 +3,12 @@ Ctrl-C while they load ends it with one line, as one later does."""
 
 import sys
 
-from .errors import is_ctrl_c  # the standard library only: loads at once
+from vitkit.errors import is_ctrl_c  # the standard library only: loads at once
 
 
 def run() -> int:
     try:
-        from .cli import main
+        from vitkit.cli.parser import main
 
         return main()
     except (KeyboardInterrupt, RuntimeError) as e:  # before a command began (a command's own are answered in `main`)

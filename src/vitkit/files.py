@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError, spelled
+from vitkit.errors import CheckpointError, spelled
 
 Tensors = dict[str, torch.Tensor]
 

@@ -143,8 +143,8 @@ def test_hf_export_works_in_the_image_classification_pipeline_with_vitkits_score
     from skimage.data import chelsea
     from transformers import AutoImageProcessor, pipeline
 
-    from vitkit.data import to_input
-    from vitkit.images import read_image
+    from vitkit.data.datasets import to_input
+    from vitkit.data.images import read_image
 
     torch.manual_seed(0)
     model = vitkit.create_model(

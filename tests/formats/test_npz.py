@@ -170,7 +170,7 @@ def test_npz_export_warns_of_what_it_cannot_hold_and_the_cli_says_so(tmp_path, c
     so the export warns (and `vitkit convert` prints the warning); a tanh-GELU model without names is silent."""
     import warnings
 
-    from vitkit.cli import main
+    from vitkit.cli.parser import main
 
     base = dict(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, num_classes=2)
     model = VisionTransformer(ViTConfig(**base, act="gelu")).eval()

@@ -16,10 +16,9 @@ from transformers import Dinov2Config, Dinov2Model, ViTConfig, ViTForImageClassi
 
 import vitkit
 from helpers import perturbed
-from vitkit import pretrained
-from vitkit.cli import main
-from vitkit.data import ShapesDataset
-from vitkit.formats import onnx_parse
+from vitkit.cli.parser import main
+from vitkit.data.datasets import ShapesDataset
+from vitkit.formats import onnx_parse, pretrained
 
 onnx = pytest.importorskip("onnx", reason="the ONNX format needs the optional dependency onnx (dev extra)")
 ort = pytest.importorskip("onnxruntime", reason="the ONNX checks need the optional dependency onnxruntime")

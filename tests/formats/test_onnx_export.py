@@ -10,9 +10,9 @@ import torch
 
 import vitkit
 from helpers import perturbed, tiny
-from vitkit.cli import main
-from vitkit.copies import openvino_core
+from vitkit.cli.parser import main
 from vitkit.formats import onnx as onnx_format
+from vitkit.speed.openvino_copy import openvino_core
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs the optional dependency onnx (dev extra)")
 pytest.importorskip("onnxscript", reason="ONNX export needs the optional dependency onnxscript (dev extra)")
@@ -81,7 +81,7 @@ def test_metadata_holds_config_class_names_and_preprocessing(exported):
     pixels = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
     mean, std = torch.tensor(json.loads(metadata["mean"])), torch.tensor(json.loads(metadata["std"]))
     recorded = (pixels.float() * float(metadata["rescale_factor"]) - mean[:, None, None]) / std[:, None, None]
-    torch.testing.assert_close(recorded, vitkit.data.to_input(pixels), rtol=0, atol=1e-6)
+    torch.testing.assert_close(recorded, vitkit.data.datasets.to_input(pixels), rtol=0, atol=1e-6)
     dims = graph.graph.input[0].type.tensor_type.shape.dim
     assert dims[0].dim_param and [d.dim_value for d in dims[1:]] == [3, 32, 32]  # the batch axis is symbolic
     assert [o.name for o in graph.graph.output] == ["logits"]

@@ -137,8 +137,8 @@ def test_timm_transform_from_the_export_the_hf_pipeline_and_vitkit_agree_on_a_no
     from timm.data import create_transform, resolve_data_config
     from transformers import pipeline
 
-    from vitkit.data import to_input
-    from vitkit.images import read_image
+    from vitkit.data.datasets import to_input
+    from vitkit.data.images import read_image
 
     torch.manual_seed(0)
     model = vitkit.create_model("ViT-Ti/8", image_size=32, num_classes=5, hidden_size=32, num_layers=2, mlp_dim=64,
@@ -179,8 +179,8 @@ def test_a_hub_directory_timm_wrote_keeps_its_normalization_for_predict(tmp_path
     from skimage.data import chelsea
     from timm.models import save_for_hf
 
-    from vitkit.data import to_input
-    from vitkit.images import read_image
+    from vitkit.data.datasets import to_input
+    from vitkit.data.images import read_image
 
     theirs = perturbed(timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5))
     save_for_hf(theirs, tmp_path / "deit")

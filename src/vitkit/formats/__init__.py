@@ -6,7 +6,7 @@ from their kind, name and headers; `load(path, image_size=None, **overrides) -> 
 (`npz`), Hugging Face directories (`hf`), timm state dicts (`timm`), ONNX graphs (`onnx`: vitkit writes them for
 ONNX runtimes and reads back its own, and other ViT graphs by their structure), and one load-only format: Hugging
 Face Dinov2Model directories (`dinov2`). `onnx_graph` and `onnx_parse` are not formats: they read the tensors of
-an ONNX file and follow a foreign ViT graph for `onnx`. `vitkit.checkpoints` is the facade.
+an ONNX file and follow a foreign ViT graph for `onnx`. `vitkit.formats.checkpoints` is the facade.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from ..errors import running_command
+from vitkit.errors import running_command
+
 from . import dinov2, hf, npz, onnx, timm, vitkit
 
 # In the order `detect_format` asks them: vitkit before timm, since both are safetensors files.

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ..config import ViTConfig, check_fields
-from ..errors import CheckpointError
-from ..files import Tensors
-from ..model import VisionTransformer
+from vitkit.errors import CheckpointError
+from vitkit.files import Tensors
+from vitkit.models.config import ViTConfig, check_fields
+from vitkit.models.vit import VisionTransformer
 
 
 @dataclass(frozen=True)

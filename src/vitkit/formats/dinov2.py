@@ -17,8 +17,9 @@ import json
 import os
 from pathlib import Path
 
-from ..config import ViTConfig
-from ..model import VisionTransformer
+from vitkit.models.config import ViTConfig
+from vitkit.models.vit import VisionTransformer
+
 from .common import Rule, Tensors, interpolated_posemb, make_config, model_from_rules, rename
 from .hf import attention_rules, embedding_rules, linear, processor_normalization, read_weights
 

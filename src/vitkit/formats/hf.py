@@ -15,10 +15,11 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..config import ViTConfig
-from ..errors import CheckpointError
-from ..files import atomic_write, read_safetensors, read_torch
-from ..model import VisionTransformer
+from vitkit.errors import CheckpointError
+from vitkit.files import atomic_write, read_safetensors, read_torch
+from vitkit.models.config import ViTConfig
+from vitkit.models.vit import VisionTransformer
+
 from .common import (
     Rule,
     Tensors,

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import ResNetConfig, ViTConfig
-from ..files import atomic_write, read_npz
-from ..model import VisionTransformer
+from vitkit.files import atomic_write, read_npz
+from vitkit.models.config import ResNetConfig, ViTConfig
+from vitkit.models.vit import VisionTransformer
+
 from .common import (
     Rule,
     Tensors,

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
-from ..files import atomic_write
-from ..model import VisionTransformer
+from vitkit.errors import CheckpointError
+from vitkit.files import atomic_write
+from vitkit.models.vit import VisionTransformer
+
 from .common import interpolated_posemb, make_config, model_from_rules, normalization, rename
 from .onnx_graph import initializer_array, load_external_data
 from .onnx_parse import parse

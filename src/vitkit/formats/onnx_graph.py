@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
+from vitkit.errors import CheckpointError
 
 
 def _squeeze(node, x, axes=None):

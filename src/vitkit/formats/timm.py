@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..config import ViTConfig
-from ..files import atomic_write, read_safetensors, read_torch
-from ..model import VisionTransformer
+from vitkit.files import atomic_write, read_safetensors, read_torch
+from vitkit.models.config import ViTConfig
+from vitkit.models.vit import VisionTransformer
+
 from .common import (
     Rule,
     Tensors,

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..architectures import Model, config_from_dict, model_from_config
-from ..config import ViTConfig, config_difference
-from ..errors import CheckpointError
-from ..files import atomic_write, read_safetensors, safetensors_metadata
+from vitkit.errors import CheckpointError
+from vitkit.files import atomic_write, read_safetensors, safetensors_metadata
+from vitkit.models.architectures import Model, config_from_dict, model_from_config
+from vitkit.models.config import ViTConfig, config_difference
+
 from .common import check_plausible, normalization
 
 NAME = "vitkit"

