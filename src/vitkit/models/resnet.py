@@ -90,7 +90,7 @@ class ResNetClassifier(nn.Module):
         self.config = config
         self.class_names: list[str] | None = None
         self.normalization: dict | None = None  # vitkit trains it on the official [-1, 1] (`data.to_input`)
-        self.trained_on: dict | None = None  # what it was trained on (`data_survey.describe`), saved by vitkit
+        self.trained_on: dict | None = None  # what it was trained on (`data.survey.describe`), saved by vitkit
         self.body = ResNetStem(config.stem, config.in_chans)
         dim = self.body.out_channels
         self.head = nn.Linear(dim, config.num_classes) if config.num_classes else nn.Identity()

@@ -350,7 +350,7 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.class_names: list[str] | None = None
-        self.trained_on: dict | None = None  # what it was trained on (`data_survey.describe`), saved by vitkit
+        self.trained_on: dict | None = None  # what it was trained on (`data.survey.describe`), saved by vitkit
         # Its input's mean and std where a checkpoint says they are not the official 0.5 (`data.to_input`).
         self.normalization: dict | None = None
         dim = config.hidden_size

