@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -78,7 +77,7 @@ def train(folder: Path, options: list[str], run_dir: Path, extra: list[str]) -> 
     command = [sys.executable, "-m", "vitkit", "train", "--data", str(folder), "--out-dir", str(run_dir),
                "--overwrite", *options, *extra]  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    done = subprocess.run(command, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(
