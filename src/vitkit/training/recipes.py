@@ -98,10 +98,14 @@ SMALL_TARGET = 32
 PHOTO_SIZE = 224  # larger image files: the paper's resolution, inception crop and flip
 PHOTO_AUGMENTATION = ((0.05, 1.0), True)
 SMALL_CROP = (1.0, 1.0)  # a crop of an 8 px digit is another digit, or none
-# A checkpoint fine-tuned on small images runs near this resolution where its own is larger: on 8 px digits, 28 px
-# silhouettes and 32-128 px icons a 4x4 grid of 14 px patches learnt as much in the same steps as 126 px (9x9) or the
-# checkpoint's own 224 px (16x16), or more, in a fifth of the time or less (docs/OWN_IMAGES.md).
+# A checkpoint fine-tuned on small images runs near one of these resolutions where its own is larger. Images under
+# `FINETUNE_DETAIL` px (8 px digits, 28 px silhouettes): near `FINETUNE_SMALL_SIZE`, where a 4x4 grid of 14 px patches
+# learnt as much in the same steps as 126 px (9x9) or the checkpoint's own 224 px (16x16), or more, in a fifth of the
+# time or less, and 84 px gained MNIST a point for twice the time. Larger images (48 px icons, clip art,
+# photographs): near `FINETUNE_SIZE`, which beat 56 px on them by 3 to 13 points (docs/OWN_IMAGES.md).
 FINETUNE_SMALL_SIZE = 56
+FINETUNE_SIZE = 84
+FINETUNE_DETAIL = 40
 # Image folders of at most this many training images start from a pre-trained ViT where one is installed (and no
 # --checkpoint, --model or --from-scratch is given): below it, fine-tuning `TRANSFER_CHECKPOINT` beat a ViT trained
 # from scratch and the pixel baselines (docs/OWN_IMAGES.md); a ViT needs far more images to learn alone (the
@@ -172,7 +176,8 @@ class TrainConfig:
         None,
         f"model resolution in pixels (default: the dataset's own; for image files, about their own size when under "
         f"{SMALL_IMAGES} px, else {PHOTO_SIZE}; with --checkpoint, the checkpoint's, or for images under "
-        f"{SMALL_IMAGES} px about {FINETUNE_SMALL_SIZE} where the checkpoint's is larger)",
+        f"{SMALL_IMAGES} px, or the transfer's, about {FINETUNE_SIZE} ({FINETUNE_SMALL_SIZE} for images under "
+        f"{FINETUNE_DETAIL} px) where the checkpoint's is larger)",
     )
     crop_scale: tuple[float, float] | None = _field(
         None,
