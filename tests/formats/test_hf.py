@@ -154,6 +154,13 @@ def test_hf_export_works_in_the_image_classification_pipeline_with_vitkits_score
     model.class_names = ["cat", "dog", "fox", "owl", "yak"]
     vitkit.export(model, tmp_path / "hf", format="hf")
     Image.fromarray(chelsea()).save(tmp_path / "cat.png")
+    # An RGBA image whose transparent half hides colour: dropping the alpha channel and compositing over white
+    # give inputs far apart, and the pipeline's loader and vitkit agree on the one rule, stated in the config.
+    rgba = Image.fromarray(chelsea()).convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize(rgba.size))
+    rgba.save(tmp_path / "cut-out.png")
+    written = json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
+    assert written["alpha"] == "drop" and written["do_convert_rgb"] is False
 
     processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
     pixels = processor(Image.open(tmp_path / "cat.png"), return_tensors="pt")["pixel_values"]
@@ -163,6 +170,10 @@ def test_hf_export_works_in_the_image_classification_pipeline_with_vitkits_score
     ours = dict(vitkit.predict(model, [tmp_path / "cat.png"], k=5)[0])
     assert {r["label"] for r in theirs} == set(model.class_names)
     assert max(ours.values()) - min(ours.values()) > 0.05  # the classes are told apart, so the check means something
+    for r in theirs:
+        assert r["score"] == pytest.approx(ours[r["label"]], abs=1e-2), r
+    theirs = pipeline("image-classification", model=str(tmp_path / "hf"))(str(tmp_path / "cut-out.png"), top_k=5)
+    ours = dict(vitkit.predict(model, [tmp_path / "cut-out.png"], k=5)[0])
     for r in theirs:
         assert r["score"] == pytest.approx(ours[r["label"]], abs=1e-2), r
 

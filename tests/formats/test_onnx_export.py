@@ -77,6 +77,7 @@ def test_metadata_holds_config_class_names_and_preprocessing(exported):
     assert json.loads(metadata["image_size"]) == [32, 32]
     assert (json.loads(metadata["mean"]), json.loads(metadata["std"])) == ([0.5] * 3, [0.5] * 3)
     assert metadata["color_mode"] == "RGB" and metadata["resize"].startswith("bilinear")
+    assert metadata["alpha"] == "drop"  # the docs' snippet: Image.open(path).convert(color_mode), as vitkit reads
     # The recorded preprocessing turns pixels into the model's input exactly as vitkit's own does.
     pixels = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
     mean, std = torch.tensor(json.loads(metadata["mean"])), torch.tensor(json.loads(metadata["std"]))

@@ -115,6 +115,7 @@ def test_timm_hub_directory_export_builds_in_timm_from_its_config_alone(tmp_path
     vitkit.export(ours, tmp_path / "hub", format="timm")
     hub = json.loads((tmp_path / "hub" / "config.json").read_text())
     assert {"architecture", "num_classes", "pretrained_cfg", "model_args"} <= hub.keys()
+    assert hub["alpha"] == "drop"  # stated beside pretrained_cfg, which timm reads into a closed dataclass
     theirs = timm.create_model(f"local-dir:{tmp_path / 'hub'}", pretrained=True).eval()
     assert theirs.pretrained_cfg["label_names"] == ours.class_names
     assert tuple(theirs.pretrained_cfg["input_size"]) == (3, 32, 48) and theirs.pretrained_cfg["mean"] == [0.5] * 3

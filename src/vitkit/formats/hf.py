@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from vitkit.data.images import ALPHA
 from vitkit.errors import CheckpointError
 from vitkit.files import atomic_write, read_safetensors, read_torch
 from vitkit.models.config import ViTConfig
@@ -267,4 +268,8 @@ def preprocessor_config(model: VisionTransformer) -> dict:
         "do_normalize": True,
         "image_mean": (model.normalization or {}).get("mean", [0.5] * config.in_chans),
         "image_std": (model.normalization or {}).get("std", [0.5] * config.in_chans),
+        # Transparency: vitkit drops the alpha channel, as the pipeline's `load_image` does (convert("RGB")). The
+        # processor's own conversion composites over white instead, so it stays off; `alpha` states the rule.
+        "do_convert_rgb": False,
+        "alpha": ALPHA,
     }

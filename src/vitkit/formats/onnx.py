@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vitkit.data.images import ALPHA
 from vitkit.errors import CheckpointError
 from vitkit.files import atomic_write
 from vitkit.models.vit import VisionTransformer
@@ -126,6 +127,8 @@ METADATA = {
     "class_names": "the class names, in the order of the logits (JSON list; absent when the model has none)",
     "image_size": "[height, width] the graph takes (JSON)",
     "color_mode": "RGB, or L (grayscale) for a one-channel model",
+    "alpha": "transparency: drop (the alpha channel is dropped and the colour stored under each pixel kept, as PIL's "
+    'convert("RGB") does)',
     "resize": "how each whole image is brought to image_size: bilinear, antialiased, no crop",
     "rescale_factor": "pixel values 0..255 are multiplied by it first (1/255)",
     "mean": "then the per-channel mean is subtracted (JSON list)",
@@ -143,6 +146,7 @@ def preprocessing(model: VisionTransformer) -> dict[str, str]:
     return {
         "image_size": json.dumps(list(config.image_size)),
         "color_mode": "L" if config.in_chans == 1 else "RGB",
+        "alpha": ALPHA,
         "resize": "bilinear, antialiased, no crop",
         "rescale_factor": repr(1 / 255),
         "mean": json.dumps(norm["mean"]),

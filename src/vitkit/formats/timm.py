@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from vitkit.data.images import ALPHA
 from vitkit.files import atomic_write, read_safetensors, read_torch
 from vitkit.models.config import ViTConfig
 from vitkit.models.vit import VisionTransformer
@@ -196,6 +197,9 @@ def hub_config(model: VisionTransformer) -> dict:
         "global_pool": "token" if c.classifier == "token" else "avg",
         "model_args": model_args(c),
         "pretrained_cfg": pretrained_cfg,
+        # Transparency: the alpha channel dropped, as timm's own image loaders do (convert("RGB")); stated beside
+        # `pretrained_cfg`, which timm reads into a dataclass that takes no key it does not know.
+        "alpha": ALPHA,
     }
 
 
