@@ -204,22 +204,25 @@ def minutes(seconds: float) -> str:
 
 
 def main_job(records: list[dict]) -> str:
-    """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine."""
+    """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine, and the
+    val split it held out of the training images (none before runs chose on val)."""
     groups: dict[tuple, list[dict]] = {}
     for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
         if record.get("benchmark") == "main-job":
             for row in record["rows"]:
-                groups.setdefault((label(record["machine"]), row["precision"], row["schedule"]), []).append(row)
+                val = f"{row['val_images']:,} images" if row.get("val_images") else "none"
+                groups.setdefault((label(record["machine"]), row["precision"], row["schedule"], val), []).append(row)
     rows = []
-    for (machine, precision, schedule), runs in groups.items():
+    for (machine, precision, schedule, val), runs in groups.items():
         top1 = sorted({r["top1"] for r in runs})
         accuracy = f"{top1[0]:.2f}%" if len(top1) == 1 else f"{top1[0]:.2f}-{top1[-1]:.2f}%"
         cold = sorted(r["wall_s"] for r in runs if r["wall_s"] is not None and r["cache"] == "cold")
         time = "-" if not cold else minutes(cold[0]) + ("" if len(cold) == 1 else f" to {minutes(cold[-1])}")
         seeds = len({r["seed"] for r in runs})
         count = f"{len(runs)}" + (f" ({seeds} seeds)" if seeds > 1 else "")
-        rows.append([machine, precision, schedule, count, accuracy, time])
-    return markdown(["machine", "precision", "decay", "runs", "test top-1", "wall time, cold cache"], rows, right=3)
+        rows.append([machine, precision, schedule, val, count, accuracy, time])
+    header = ["machine", "precision", "decay", "val split", "runs", "test top-1", "wall time, cold cache"]
+    return markdown(header, rows, right=3)
 
 
 def recipe(records: list[dict]) -> str:

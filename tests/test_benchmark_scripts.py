@@ -366,6 +366,23 @@ def test_tables_script_makes_every_table_it_knows_from_the_records_in_results(tm
 
 
 @pytest.mark.slow
+def test_main_job_script_runs_each_seed_from_a_cold_cache_and_makes_the_main_job_table(tmp_path):
+    out = tmp_path / "results" / "main-job.json"
+    run_script("main_job.py", "--tiny", "--seeds", "0", "1", "--out", str(out))
+    record = record_of(out, "main-job", "main_job.py")
+    rows = record["rows"]
+    assert [row["seed"] for row in rows] == [0, 1] and all(row["steps"] == 4 and row["cache"] == "cold" for row in rows)
+    assert all(0 <= row["top1"] <= 100 and row["val_images"] and row["test_images"] for row in rows)
+    assert rows[0]["top1"] != rows[1]["top1"] or rows[0]["val_top1"] != rows[1]["val_top1"]  # two seeds, two runs
+    seeds = record["over_seeds"]
+    top1 = [row["top1"] for row in rows]
+    assert seeds["margin"] == pytest.approx(min(top1) - 90) and seeds["spread"] == pytest.approx(max(top1) - min(top1))
+    (row,) = table_rows("main-job", out.parent)
+    cells = row.strip("|").split(" | ")
+    assert cells[1:5] == [rows[0]["precision"], rows[0]["schedule"], f"{rows[0]['val_images']:,} images", "2 (2 seeds)"]
+
+
+@pytest.mark.slow
 def test_threads_under_load_script_times_two_runs_at_once_and_one_alone_in_a_tiny_mode(tmp_path):
     out = tmp_path / "results" / "threads-under-load.json"
     run_script("threads_under_load.py", "--tiny", "--settings", "chosen", "alone", "--out", str(out))
