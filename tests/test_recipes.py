@@ -136,3 +136,14 @@ def test_train_config_errors_name_the_bad_value():
         TrainConfig.from_dict({"learning_rate": 1.0})
     with pytest.raises(ValueError, match=r"'weight_decy' \(did you mean 'weight_decay'\?\)"):
         TrainConfig().replace(weight_decy=0.1)
+
+
+def test_the_main_job_trains_on_all_its_training_images_and_other_runs_hold_val_out():
+    from vitkit.training.recipes import MAIN_JOB_DATA_ARGS, main_job_data
+
+    # `vitkit train` with no arguments: the final run of a recipe chosen on val, as the paper's final runs
+    assert main_job_data(TrainConfig()).data_args == MAIN_JOB_DATA_ARGS == {"val_fraction": 0.0}
+    assert main_job_data(TrainConfig(lr=1e-3)).data_args == MAIN_JOB_DATA_ARGS  # the same data, another recipe
+    # another dataset, or data_args given (the recipe re-checked on val): as given
+    for config in (TrainConfig(data="cifar10"), TrainConfig(data_args={"val_fraction": 0.1})):
+        assert main_job_data(config) == config

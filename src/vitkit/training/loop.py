@@ -63,6 +63,7 @@ from .recipes import (
     build_optimizer,
     global_batch,
     learning_rate,
+    main_job_data,
     plan_steps,
     resume_changes,
     set_trainable,
@@ -206,6 +207,8 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     """The data, the model (new, fitted to the data, or restored), its optimiser and the run directory, as one
     `TrainState`; a new run's `config.json` records what was chosen."""
     config = config.replace(precision=resolve_precision(config.precision, world.device))  # "auto" -> fp32 or bf16
+    if saved is None:  # the main job trains on all its training images; config.json records it
+        config = main_job_data(config)
     if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
         check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
     torch.manual_seed(config.seed)

