@@ -1,4 +1,5 @@
 import gzip
+import json
 import os
 import pickle
 import struct
@@ -402,3 +403,21 @@ def test_survey_tells_image_files_from_a_datasets_own_resolution(tmp_path):
     shapes = data_survey.survey("shapes", get_dataset("shapes", "train", size=4, image_size=16))
     assert shapes["image_size"] == [16, 16] and not shapes["grayscale"] and shapes["own_size"]
     assert (shapes["crop_scale"], shapes["flip"]) == (ShapesDataset.crop_scale, ShapesDataset.flip)
+
+
+def test_the_main_job_trains_on_every_training_image_and_says_so(tmp_path, monkeypatch, capsys):
+    from vitkit.cli.parser import main
+
+    write_fake_mnist(tmp_path / "data" / "fashion-mnist", n_train=40)
+    monkeypatch.setenv("VITKIT_DATA", str(tmp_path / "data"))
+    tiny = ["--steps", "2", "--batch-size", "8", "--model-args", "hidden_size=16,num_layers=1,num_heads=2,mlp_dim=32"]
+    assert main(["train", *tiny, "--out-dir", str(tmp_path / "main")]) == 0
+    assert "; all 40 training images, no val: the recipe was chosen on val" in capsys.readouterr().out
+    config = json.loads((tmp_path / "main" / "config.json").read_text())["train"]
+    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
+    assert config["data_args"] == {"val_fraction": 0.0} and summary["val_top1"] is None and summary["test_images"] == 5
+    # checked on val, as its recipe was: 10% of each class held out
+    checked = ["train", *tiny, "--data-args", "val_fraction=0.1", "--out-dir", str(tmp_path / "checked")]
+    assert main(checked) == 0
+    assert "no val" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "checked" / "summary.json").read_text())["val_images"] > 0

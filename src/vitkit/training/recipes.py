@@ -176,7 +176,11 @@ class TrainConfig:
         "FOLDER/val) or of Parquet shards (`vitkit data pack`)",
     )
     data_dir: str | None = _field(None, "directory holding the dataset's files (default: the usual places)")
-    data_args: dict = _field({}, "extra dataset arguments, e.g. val_fraction=0.2 for imagefolder")
+    data_args: dict = _field(
+        {},
+        "extra dataset arguments, e.g. val_fraction=0.2 (the share of each class held out as val; default 0.1, and 0 "
+        "for the main job's data, which trains on all its training images)",
+    )
     image_size: int | None = _field(
         None,
         f"model resolution in pixels (default: the dataset's own; for image files, about their own size when under "
