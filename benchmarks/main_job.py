@@ -26,6 +26,11 @@ GOAL = 90.0  # test top-1, %, within 10 minutes on 2 cores (docs/MAIN_JOB.md)
 TINY = ["--data", "shapes", "--steps", "4", "--model-args", "hidden_size=32,num_layers=1,num_heads=2,mlp_dim=64"]
 
 
+def percent(fraction: float | None) -> float | None:
+    """A fraction as a percentage to 0.01 (None for a run without val)."""
+    return None if fraction is None else round(100 * fraction, 2)
+
+
 def run(seed: int, scratch: Path, extra: list[str]) -> dict:
     """One `vitkit train --seed SEED` in its own process and inductor cache: what its summary and config say."""
     run_dir = scratch / f"seed-{seed}"
@@ -46,8 +51,8 @@ def run(seed: int, scratch: Path, extra: list[str]) -> dict:
         "schedule": train["schedule"],
         "cache": "cold",
         "how": f"vitkit train --seed {seed}",
-        "top1": round(100 * summary["test_top1"], 2),
-        "top5": round(100 * summary["test_top5"], 2),
+        "top1": percent(summary["test_top1"]),
+        "top5": percent(summary["test_top5"]),
         "val_top1": percent(summary["val_top1"]),
         "best_val_top1": percent(summary["best_val_top1"]),
         "val_images": summary["val_images"],
@@ -55,11 +60,6 @@ def run(seed: int, scratch: Path, extra: list[str]) -> dict:
         "steps": summary["step"],
         "wall_s": round(wall, 1),
     }
-
-
-def percent(fraction: float | None) -> float | None:
-    """A fraction as a percentage to 0.01 (None for a run without val)."""
-    return None if fraction is None else round(100 * fraction, 2)
 
 
 def over_seeds(rows: list[dict]) -> dict:

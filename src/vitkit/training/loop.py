@@ -207,8 +207,8 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     """The data, the model (new, fitted to the data, or restored), its optimiser and the run directory, as one
     `TrainState`; a new run's `config.json` records what was chosen."""
     config = config.replace(precision=resolve_precision(config.precision, world.device))  # "auto" -> fp32 or bf16
-    whole = saved is None and main_job_data(config) != config
-    if whole:  # the main job trains on all its training images; config.json records it
+    given = config
+    if saved is None:  # the main job trains on all its training images; config.json records it
         config = main_job_data(config)
     if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
         check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
@@ -223,6 +223,7 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
         resolved = resolve(config, train_set, world.size * config.accumulation_steps)
         config = resolved.config
         if world.is_main:
+            whole = config.data_args != given.data_args
             note = f"; all {len(train_set):,} training images, no val: the recipe was chosen on val" if whole else ""
             print(chosen_line(resolved) + note, flush=True)
         model = initial_model(resolved, train_set)
