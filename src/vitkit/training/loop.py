@@ -19,7 +19,6 @@ import math
 import time
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,32 +32,25 @@ from vitkit.data.datasets import class_counts, dataset_augmentation, locate, sub
 from vitkit.data.shards import ShardedDataset, check_data_order
 from vitkit.data.survey import describe
 from vitkit.errors import NonFiniteError
-from vitkit.formats.checkpoints import export
-from vitkit.models.architectures import Model, check_overrides, config_from_dict, model_from_config, new_model
+from vitkit.models.architectures import Model, check_overrides, new_model
 from vitkit.models.vit import VisionTransformer
 from vitkit.speed import kernels
 from vitkit.speed.machine import ThreadWatch, compile_quietly_on, resolve_precision
 
 from .distributed import (
     World,
-    all_gather_tensors,
     any_process,
     barrier,
     close_world,
-    full_state_dict,
     gradient_sync,
     init_world,
-    is_sharded,
     launched_rank,
-    load_sharded,
-    save_sharded,
     wrap_model,
 )
 from .evaluation import EvalResult, autocast, batches, evaluate
 from .fitted import ResolvedRun, chosen_line, resolve
 from .recipes import (
     DEFAULT_VARIANT,
-    StepPlan,
     TrainConfig,
     build_optimizer,
     global_batch,
@@ -71,8 +63,6 @@ from .recipes import (
 )
 from .run_summary import TrainResult, format_summary, summary_dict, time_left
 from .runs import (
-    SHARDED_CHECKPOINT,
-    MetricsWindow,
     RunDir,
     RunLock,
     StopRequest,
@@ -81,10 +71,9 @@ from .runs import (
     plot_run,
     read_checkpoint,
     stopped_at_once,
-    truncate_metrics,
 )
+from .state import TrainState, restore, save_checkpoint, save_model, saved_model
 
-CHECKPOINT_FORMAT = "vitkit-train/1"
 MicroBatches = Iterator[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]  # (uint8 images, labels)
 
 
@@ -315,41 +304,10 @@ def images_per_epoch(dataset, config: TrainConfig, world: World) -> int:
     return micro_batches // config.accumulation_steps * batch
 
 
-@dataclass
-class TrainState:
-    """What the steps of a run share: the fixed set-up, then what changes from step to step. `checkpoint_state`
-    saves the changing part with the RNG states, `restore` puts it back."""
-
-    config: TrainConfig
-    world: World
-    plan: StepPlan
-    augment: AugmentConfig
-    model: Model
-    net: torch.nn.Module  # what a step calls: the model (FSDP-sharded or not), or its DistributedDataParallel wrapper
-    optimizer: torch.optim.Optimizer
-    run: RunDir
-    step: int = 0  # optimiser updates done
-    skipped_steps: int = 0  # steps with a non-finite loss or gradient, not applied (nonfinite="skip")
-    saved_step: int | None = None  # the step of the newest checkpoint
-    best_top1: float = -1.0
-    elapsed: float = 0.0  # seconds in training steps, over all sessions of the run
-    wall_before: float = 0.0  # wall-clock seconds of the earlier sessions of the run
-    session_start: float = 0.0  # time.perf_counter() when this session began
-    window: MetricsWindow = field(default_factory=MetricsWindow)
-    class_weights: torch.Tensor | None = None  # the loss's weight of each class (`balanced`), or None: all alike
-
-
 def balanced_weights(counts: torch.Tensor) -> torch.Tensor:
     """Each class's loss weight, the inverse of its share of the images (scikit-learn's "balanced":
     images / (classes x its images)), so that every class weighs as much in the loss as a class of the mean size."""
     return counts.sum() / (len(counts) * counts.clamp(min=1).float())
-
-
-def saved_model(saved: dict, dataset) -> Model:
-    """The architecture of a saved run, named with the dataset's classes; `restore` loads its weights."""
-    model = model_from_config(config_from_dict(json.loads(saved["model_config"])))
-    model.class_names = list(dataset.classes)
-    return model
 
 
 def run_description(state: TrainState, learning: list[str], data) -> dict:
@@ -366,29 +324,6 @@ def run_description(state: TrainState, learning: list[str], data) -> dict:
         "steps_per_epoch": state.plan.steps_per_epoch,
         "learning_parameters": learning,
     }
-
-
-def restore(state: TrainState, saved: dict) -> None:
-    """Continue from a checkpoint: weights, optimiser, step, best top-1, training seconds, and each process's RNG
-    (when the number of processes is unchanged); metrics logged after the checkpoint are dropped. A sharded
-    checkpoint is resharded over however many processes there are now."""
-    if saved.get("sharded"):
-        load_sharded(saved["sharded"], state.model, state.optimizer)
-        rng, cuda_rng = ([bytes_tensor(h) for h in saved[key]] for key in ("rng", "cuda_rng"))
-    else:
-        state.model.load_state_dict(saved["model"])
-        state.optimizer.load_state_dict(saved["optimizer"])
-        rng, cuda_rng = saved["rng"], saved.get("cuda_rng") or []
-    state.step, state.best_top1, state.elapsed = int(saved["step"]), float(saved["best_top1"]), float(saved["elapsed"])
-    state.skipped_steps, state.saved_step = int(saved.get("skipped_steps", 0)), state.step
-    state.wall_before = float(saved.get("wall_elapsed", 0.0))
-    world = state.world
-    if len(rng) == world.size:
-        torch.set_rng_state(rng[world.rank])
-        if world.device.type == "cuda" and cuda_rng:
-            torch.cuda.set_rng_state(cuda_rng[world.rank], world.device)
-    if world.is_main:
-        truncate_metrics(state.run.path, state.step)
 
 
 def epoch_micro_batches(dataset, state: TrainState) -> MicroBatches:
@@ -518,67 +453,6 @@ def run_evaluation(state: TrainState, dataset, split: str) -> EvalResult:
         state.best_top1 = result.top1
         save_model(state, "best.safetensors")
     return result
-
-
-def save_model(state: TrainState, name: str) -> None:
-    """The model as a vitkit file in the run directory, written by the main process. Every process calls this:
-    a sharded model is gathered first."""
-    if not is_sharded(state.model):
-        if state.world.is_main:
-            export(state.model, state.run.path / name, overwrite=True)  # best.safetensors: the newest best
-        return
-    weights = full_state_dict(state.model)
-    if weights is not None:  # the main process
-        whole = model_from_config(state.model.config)
-        whole.load_state_dict(weights)
-        whole.class_names, whole.trained_on = state.model.class_names, state.model.trained_on
-        export(whole, state.run.path / name, overwrite=True)
-
-
-def bytes_tensor(text: str) -> torch.Tensor:
-    """A uint8 tensor (an RNG state) from its hex text in a JSON checkpoint."""
-    return torch.from_numpy(np.frombuffer(bytes.fromhex(text), dtype=np.uint8).copy())
-
-
-def checkpoint_state(state: TrainState) -> dict:
-    """Everything `restore` needs but the weights and the optimiser, every process's RNG state included (a
-    collective call: all processes)."""
-    world, plan = state.world, state.plan
-    rng = all_gather_tensors(torch.get_rng_state(), world)
-    cuda_rng = all_gather_tensors(torch.cuda.get_rng_state(world.device), world) if world.device.type == "cuda" else []
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "config": json.dumps(state.config.to_dict()),
-        "model_config": json.dumps(state.model.config.to_dict()),
-        "step": state.step,
-        "epoch": state.step // plan.steps_per_epoch,
-        "batch_in_epoch": state.step % plan.steps_per_epoch,
-        "sampler_seed": state.config.seed,
-        "total_steps": plan.total,
-        "best_top1": state.best_top1,
-        "elapsed": state.elapsed,
-        "skipped_steps": state.skipped_steps,
-        "wall_elapsed": state.wall_before + time.perf_counter() - state.session_start,
-        "world_size": world.size,  # with the workers, they set a packed-shard run's data order (check_data_order)
-        "workers": state.config.workers,
-        "rng": [t.cpu() for t in rng],
-        "cuda_rng": [t.cpu() for t in cuda_rng],
-    }
-
-
-def save_checkpoint(state: TrainState) -> None:
-    """checkpoint.pt in the run directory, written atomically by the main process; for a sharded model the
-    directory checkpoint/, written by all processes with torch.distributed.checkpoint (tensors only) and
-    state.json (the rest, RNG states as hex), swapped in atomically."""
-    progress = checkpoint_state(state)
-    if is_sharded(state.model):
-        for key in ("rng", "cuda_rng"):
-            progress[key] = [t.numpy().tobytes().hex() for t in progress[key]]
-        save_sharded(state.run.path / SHARDED_CHECKPOINT, state.model, state.optimizer, progress)
-    else:
-        weights = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}
-        state.run.save_checkpoint({**progress, **weights})
-    state.saved_step = state.step
 
 
 def finish(
