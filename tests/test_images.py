@@ -81,6 +81,25 @@ def test_convertible_images_are_converted_as_documented(awkward):
     assert read_image(awkward / "pixel.png", "L").shape == (1, 2, 2)
 
 
+def test_palette_transparency_drops_alpha_as_pil_does_without_a_warning_per_file(tmp_path):
+    icon = Image.new("P", (4, 4), 1)
+    icon.putpalette([0, 0, 0, 10, 200, 30, 250, 40, 90] + [0] * 759)
+    icon.putpixel((0, 0), 2)
+    icon.save(tmp_path / "icon.png", transparency=bytes([0, 128, 255]))  # per-entry alpha: a tRNS of bytes
+    with Image.open(tmp_path / "icon.png") as im:
+        assert isinstance(im.info["transparency"], bytes)
+        with warnings.catch_warnings(record=True) as pil:
+            warnings.simplefilter("always")
+            expected = {mode: np.asarray(im.convert(mode)) for mode in ("RGB", "L")}
+    assert any("Transparency expressed in bytes" in str(w.message) for w in pil)  # what a folder of them repeated
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rgb, gray = read_image(tmp_path / "icon.png"), read_image(tmp_path / "icon.png", "L")
+    assert not caught, [str(w.message) for w in caught]
+    assert rgb.permute(1, 2, 0).numpy().tolist() == expected["RGB"].tolist()
+    assert gray[0].numpy().tolist() == expected["L"].tolist()
+
+
 @pytest.mark.parametrize(
     "name, message",
     [

@@ -125,6 +125,10 @@ def read_image(
             if ALPHA == "white" and ("A" in im.getbands() or "transparency" in im.info):
                 rgba = im.convert("RGBA")
                 im = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+            elif im.mode == "P" and "transparency" in im.info:
+                # the same colours as straight to RGB or L, without PIL's warning for a palette's transparency bytes,
+                # which every such file of a folder would repeat
+                im = im.convert("RGBA")
             array = np.asarray(im.convert(mode), dtype=np.uint8)
         except (OSError, ValueError, SyntaxError) as e:  # truncated data, unsupported modes or codecs
             raise ImageError(path, f"cannot be decoded ({e}).") from e
