@@ -34,11 +34,12 @@ import folders  # noqa: E402
 
 from vitkit.speed.benchmark import commit, record_header, write_record  # noqa: E402
 
-# The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding), the
-# pre-trained start at other resolutions (one the defaults chose is not run twice), and, where the classes are
-# imbalanced, the class-balanced loss.
+# The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding), the paper's
+# zero head in place of the linear probe, the pre-trained start at other resolutions (one the defaults chose is not run
+# twice), and, where the classes are imbalanced, the class-balanced loss.
 HAND = {
     "from scratch": ["--from-scratch"],
+    "zero head": ["--head-init", "zero"],
     "fine-tune at 56 px": ["--image-size", "56"],
     "fine-tune at 84 px": ["--image-size", "84"],
     "fine-tune at 112 px": ["--image-size", "112"],
@@ -165,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: computed here)")  # fmt: skip
     parser.add_argument("--out", required=True, help="the record of each folder: a path with {folder} in it")
     parser.add_argument("--tiny", action="store_true", help="2 steps a run: a check that the script runs")
-    parser.add_argument("--only", nargs="+", metavar="LABEL", help=f"run these runs by hand alone: {', '.join(HAND)}, "
-                        f"{', '.join(BALANCED)}")  # fmt: skip
+    parser.add_argument("--only", nargs="*", metavar="LABEL", help=f"run these runs by hand alone (none: the defaults "
+                        f"alone): {', '.join(HAND)}, {', '.join(BALANCED)}")  # fmt: skip
     parser.add_argument("--keep", nargs="+", default=[], metavar="LABEL", help="take these runs by hand from the "
                         "record already at --out as they were measured (with their commit), not run again")  # fmt: skip
     args = parser.parse_args(argv)
     root = Path(args.root)
+    unknown = [label for label in (args.only or []) + args.keep if label not in {**HAND, **BALANCED}]
+    if unknown:
+        parser.error(f"no run by hand is called {', '.join(unknown)}: choose among {', '.join({**HAND, **BALANCED})}")
     if "{folder}" not in args.out:
         parser.error(f"--out {args.out}: put {{folder}} in the path, where each folder's name goes")
     known = {}

@@ -1,4 +1,5 @@
-"""Few-shot linear evaluation: the closed form against numpy's least squares, and determinism for a seed."""
+"""Few-shot linear evaluation: the closed form against numpy's least squares, and determinism for a seed; the linear
+probe that starts a fine-tuning head, against scikit-learn's logistic regression."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 import vitkit
 from vitkit.data.datasets import ImageArrayDataset
-from vitkit.training.evaluation import features, fewshot, least_squares_fit, least_squares_predict
+from vitkit.training.evaluation import features, fewshot, least_squares_fit, least_squares_predict, probe_head
 
 
 def test_least_squares_fit_matches_numpy_ridge_regression():
@@ -100,3 +101,18 @@ def test_evaluate_matches_the_datasets_classes_to_the_models_by_name_and_warns_w
     with pytest.warns(UserWarning, match=r"the dataset's classes \(0, 1, 2\) are not the model's \(a, b, c\)"):
         renamed = vitkit.evaluate(tiny_vit, split)
     assert renamed.classes_matched == "by position" and torch.equal(renamed.confusion, as_given.confusion)
+
+
+def test_probe_head_is_scikit_learns_logistic_regression_on_the_frozen_features(tiny_vit):
+    sklearn = pytest.importorskip("sklearn.linear_model", reason="the reference is scikit-learn (dev extra)")
+    train_set = _split(0, per_class=10)
+    x = features(tiny_vit, train_set, list(range(len(train_set)))).numpy()
+    tiny_vit.reset_head(3)
+    accuracy = probe_head(tiny_vit, train_set, c=0.5)
+    reference = sklearn.LogisticRegression(C=0.5, tol=1e-10, max_iter=10_000).fit(x, train_set.labels.numpy())
+    with torch.no_grad():
+        probabilities = tiny_vit.head(torch.from_numpy(x).float()).softmax(1).numpy()
+    # the same penalised likelihood, fitted to convergence: the same probabilities (an fp32 head: 1e-4)
+    np.testing.assert_allclose(probabilities, reference.predict_proba(x), atol=1e-4)
+    assert accuracy == pytest.approx(reference.score(x, train_set.labels.numpy()))
+    assert tiny_vit.training is False  # left as it was: in eval mode here

@@ -195,6 +195,11 @@ def test_a_run_surveys_its_data_fits_it_and_reads_its_checkpoint_once(tmp_path, 
     assert calls == {"survey": 1, "fit_to_data": 1, "load_checkpoint": 1}
     recorded = json.loads((tmp_path / "transfer" / "config.json").read_text())["train"]
     assert (recorded["checkpoint"], recorded["image_size"], recorded["optimizer"]) == (str(checkpoint), 56, "sgd")
+    assert recorded["head_init"] == "probe"
+    # A new model has no features to probe: refused before anything is written.
+    with pytest.raises(ValueError, match="head_init=probe fits the new head to a pre-trained model's features"):
+        train(shapes_config(tmp_path / "refused", head_init="probe", steps=1))
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.fixture(scope="module")
@@ -469,7 +474,8 @@ def test_a_small_folder_fine_tunes_the_installed_pretrained_vit_by_default_and_s
     assert main([*argv, "--out-dir", str(run)]) == 0
     out = capsys.readouterr().out
     assert "images 8x8 grayscale -> the checkpoint at 56 px; crop off" in out
-    assert f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT}: " in out and "(--from-scratch for a new ViT)" in out
+    assert f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe: " in out
+    assert "(--from-scratch for a new ViT)" in out
     recorded = json.loads((run / "config.json").read_text())["train"]
     assert (recorded["checkpoint"], recorded["image_size"], recorded["optimizer"]) == (TRANSFER_CHECKPOINT, 56, "sgd")
     model = vitkit.load_checkpoint(run / "model.safetensors")

@@ -347,19 +347,57 @@ def features(
 ) -> torch.Tensor:
     """The frozen representation the head sees (the ViT's pre-logits, the ResNet's pooled features), (n, D).
     `progress` shows a bar named `desc` on a terminal (none in a log)."""
+    bar = tqdm(total=len(indices), desc=desc, unit="img", disable=None if progress else True)
+    out = [x for x, _ in _representations(model, dataset, indices, batch_size, bar)]
+    bar.close()
+    return torch.cat(out) if out else torch.zeros(0, 0, dtype=torch.float64)
+
+
+@torch.no_grad()
+def _representations(model: Model, dataset: LabelledDataset, indices: list[int], batch_size: int, bar=None):
+    """(representation in float64 on the CPU, labels) of each batch of the `indices` images, the model in eval mode;
+    an image whose file failed to decode is left out of both (`batches` logs it)."""
     device = device_of(model)
     was_training = model.training
     model.eval()
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-    out = []
-    bar = tqdm(total=len(indices), desc=desc, unit="img", disable=None if progress else True)
-    for chunk, (images, _) in zip(chunks, batches(dataset, chunks)):
-        x = model_input(images, model).to(device)
-        out.append(model.forward_head(model.forward_features(x), pre_logits=True).double().cpu())
-        bar.update(len(chunk))
-    bar.close()
-    model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, 0, dtype=torch.float64)
+    try:
+        for chunk, (images, labels) in zip(chunks, batches(dataset, chunks)):
+            x = model_input(images, model).to(device)
+            yield model.forward_head(model.forward_features(x), pre_logits=True).double().cpu(), labels
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        model.train(was_training)
+
+
+def probe_head(model: Model, dataset: LabelledDataset, c: float, precision: str = "fp32") -> float:
+    """Set `model`'s (new) head to a linear probe of the `dataset` images: multinomial logistic regression on the
+    frozen representation the head sees (`features`), with scikit-learn's L2 penalty ||W||^2 / 2C over the summed
+    loss, fitted by L-BFGS in float64. The first stage of LP-FT (linear probe, then fine-tune: Kumar et al. 2022),
+    where fine-tuning from a zero head first distorts the features it then has to fit. Returns the probe's training
+    top-1."""
+    device = device_of(model)
+    with autocast(device, precision):
+        pairs = list(_representations(model, dataset, list(range(len(dataset))), 500))
+    x = torch.cat([x for x, _ in pairs]).to(device)
+    y = torch.cat([torch.as_tensor(labels, dtype=torch.long) for _, labels in pairs]).to(device)
+    head = model.head
+    w = torch.zeros(x.shape[1], head.out_features, dtype=x.dtype, device=device, requires_grad=True)
+    b = torch.zeros(head.out_features, dtype=x.dtype, device=device, requires_grad=True)
+    optimizer = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
+
+    def loss() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = F.cross_entropy(x @ w + b, y, reduction="sum") + (w * w).sum() / (2 * c)
+        value.backward()
+        return value
+
+    optimizer.step(loss)
+    with torch.no_grad():
+        head.weight.copy_(w.T)
+        head.bias.copy_(b)
+        return float(((x @ w + b).argmax(1) == y).double().mean())
 
 
 def least_squares_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float) -> torch.Tensor:

