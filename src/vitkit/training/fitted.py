@@ -150,11 +150,11 @@ def choose_start(
 ) -> tuple[TrainConfig, Start]:
     """Where a run on the images `data.survey.survey` describes starts, and for how long, and the rule that chose.
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
-    `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, `transfer_length` steps, the new head
-    from a linear probe (`recipes.PROBE_C`) unless `head_init` is given; other image
-    folders train a new ViT for at least `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a
-    length given, or a dataset of its own (Fashion-MNIST, ...) keep the config as it is. The steps count batches of
-    `fit_batch` (a multiple of `multiple`) where the batch is not given."""
+    `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, for `transfer_length` steps, the new
+    head from a linear probe unless `head_init` is given; other image folders train a new ViT for at least
+    `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a length given, or a dataset of its own
+    (Fashion-MNIST, ...) keep the config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`)
+    where the batch is not given."""
     images = survey["images"]
     if survey["own_size"] or config.checkpoint is not None:
         return config, Start("")
