@@ -7,7 +7,8 @@ start; per run the line the defaults print, val and test top-1, balanced accurac
 wall time. Beside them the folder's baselines (logistic regression and k-NN on 32x32 pixels, both alpha rules:
 `folders.baselines`) and the target the defaults are held to: the best baseline plus 5 points, or half of its errors
 removed where that is the smaller step. The best run by hand is the one with the best val top-1 (each run reads its
-test split once, at its end; the choice among runs is on val too).
+test split once, at its end; the choice among runs is on val too). `--seeds N` runs the defaults with N seeds, so the
+record shows how far one run moves on a folder this small.
 
     python benchmarks/folders.py --folders mnist-5k gcompris-photos oxygen-icons tuxpaint-stamps --root /tmp/folders \\
         --out /tmp/folders/baselines.json
@@ -112,24 +113,37 @@ def hand_runs(per_class: dict[str, int], defaults_size: int, only: list[str] | N
 
 
 def folder_record(
-    root: Path, name: str, baselines: dict, extra: list[str], runs_dir: Path, only: list[str] | None, kept: dict
+    root: Path,
+    name: str,
+    baselines: dict,
+    extra: list[str],
+    runs_dir: Path,
+    only: list[str] | None,
+    kept: dict,
+    seeds: int = 1,
 ) -> dict:
-    """The defaults and the runs by hand on ROOT/NAME (`hand_runs`; those in `kept`, runs recorded before, are
-    taken as they are), beside its baselines."""
+    """The defaults (with `seeds` seeds: the first is "defaults", each other one "defaults, seed S") and the runs by
+    hand on ROOT/NAME (`hand_runs`; those in `kept`, runs recorded before, the defaults too, are taken as they are),
+    beside its baselines."""
     folder = root / name
     per_class = {
         c.name: sum(f.is_file() for f in c.iterdir()) for c in sorted((folder / "train").iterdir()) if c.is_dir()
     }
-    runs = {"defaults": train(folder, [], runs_dir / "defaults", extra)}
+    runs = {"defaults": kept.get("defaults") or train(folder, [], runs_dir / "defaults", extra)}
+    for seed in range(1, seeds):
+        runs[f"defaults, seed {seed}"] = train(folder, ["--seed", str(seed)], runs_dir / f"seed-{seed}", extra)
     hand = hand_runs(per_class, runs["defaults"]["image_size"][0], only)
     for label, options in hand.items():
         runs[label] = train(folder, options, runs_dir / label.replace(" ", "-"), extra)
     for label, run in kept.items():
         runs.setdefault(label, run)
     baseline, which = best_baseline(baselines)
-    in_time = [label for label in runs if label != "defaults" and runs[label]["process_seconds"] <= TIME_LIMIT]
+    in_time = [
+        label for label in runs if not label.startswith("defaults") and runs[label]["process_seconds"] <= TIME_LIMIT
+    ]
     hand = max(in_time, key=lambda label: runs[label]["val_top1"])
     defaults = runs["defaults"]["test_top1"]
+    every_seed = [run["test_top1"] for label, run in runs.items() if label.startswith("defaults")]
     return {
         "folder": name,
         "kind": folders.FOLDERS[name]["kind"],
@@ -141,6 +155,8 @@ def folder_record(
         "best_by_hand": hand,
         "defaults_reach_target": defaults >= target(baseline),
         "defaults_within_2_points_of_hand": defaults >= runs[hand]["test_top1"] - 0.02,
+        "defaults_test_top1_over_seeds": every_seed,
+        "defaults_reach_target_every_seed": min(every_seed) >= target(baseline),
     }
 
 
@@ -168,13 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="2 steps a run: a check that the script runs")
     parser.add_argument("--only", nargs="*", metavar="LABEL", help=f"run these runs by hand alone (none: the defaults "
                         f"alone): {', '.join(HAND)}, {', '.join(BALANCED)}")  # fmt: skip
-    parser.add_argument("--keep", nargs="+", default=[], metavar="LABEL", help="take these runs by hand from the "
-                        "record already at --out as they were measured (with their commit), not run again")  # fmt: skip
+    parser.add_argument("--keep", nargs="+", default=[], metavar="LABEL", help="take these runs by hand (or the "
+                        "defaults) from the record already at --out as they were measured (with their commit), not run "
+                        "again")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=1, help="seeds of the defaults (default 1): how far a run moves")
     args = parser.parse_args(argv)
     root = Path(args.root)
-    unknown = [label for label in (args.only or []) + args.keep if label not in {**HAND, **BALANCED}]
+    known = [*HAND, *BALANCED]
+    unknown = [label for label in args.only or [] if label not in known]
+    unknown += [label for label in args.keep if label not in ["defaults", *known]]
     if unknown:
-        parser.error(f"no run by hand is called {', '.join(unknown)}: choose among {', '.join({**HAND, **BALANCED})}")
+        parser.error(f"no run by hand is called {', '.join(unknown)}: choose among {', '.join(known)}")
     if "{folder}" not in args.out:
         parser.error(f"--out {args.out}: put {{folder}} in the path, where each folder's name goes")
     known = {}
@@ -190,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             record = {
                 **record_header("folder-runs"),
                 "tiny": args.tiny,
-                **folder_record(root, name, baselines, extra, Path(runs_dir), args.only, kept),
+                **folder_record(root, name, baselines, extra, Path(runs_dir), args.only, kept, args.seeds),
             }
         path = write_record(args.out.format(folder=name), record)
         runs = record["runs"]

@@ -251,7 +251,7 @@ def transfer(records: list[dict]) -> str:
 def folder_runs(records: list[dict]) -> str:
     """benchmarks/folder_runs.py: `vitkit train` with its defaults against the best run by hand and the pixel
     baselines, per folder of real images (the latest record of each folder and machine; test top-1, balanced
-    accuracy in brackets)."""
+    accuracy in brackets; the defaults' range over seeds where several ran)."""
     latest: dict[tuple[str, str], dict] = {}
     for record in sorted(records, key=lambda r: r.get("date") or ""):
         if record.get("benchmark") == "folder-runs":
@@ -266,12 +266,15 @@ def folder_runs(records: list[dict]) -> str:
         baseline = record["best_baseline"]
         defaults = runs["defaults"]
         images = sum(record["train_per_class"].values())
+        seeds = [run["test_top1"] for name, run in runs.items() if name.startswith("defaults")]
+        spread = f"; {len(seeds)} seeds {min(seeds):.1%}-{max(seeds):.1%}" if len(seeds) > 1 else ""
         rows.append([
             f"{folder} ({record['kind']}; {images:,} training images)", machine,
             f"{baseline['accuracy']:.1%} {baseline['model']}", f"{record['target']:.1%}",
-            f"**{score(defaults)}**, {minutes(defaults['wall_seconds'])}",
+            f"**{score(defaults)}**, {minutes(defaults['wall_seconds'])}{spread}",
             f"{score(runs[hand])}, {minutes(runs[hand]['wall_seconds'])} ({hand})",
-            ", ".join(f"{name} {run['test_top1']:.1%}" for name, run in runs.items() if name not in ("defaults", hand)),
+            ", ".join(f"{name} {run['test_top1']:.1%}" for name, run in runs.items()
+                      if not name.startswith("defaults") and name != hand),
         ])  # fmt: skip
     head = ["folder", "machine", "best baseline", "target", "defaults", "best by hand (on val)", "other runs"]
     return markdown(head, rows)

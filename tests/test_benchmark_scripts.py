@@ -318,13 +318,18 @@ def test_folder_runs_script_runs_the_defaults_and_the_hand_runs_in_a_tiny_mode_a
     first = json.loads((tmp_path / "results" / "folder-runs-mnist-5k.json").read_text())
     assert list(first["runs"]) == ["defaults", "from scratch", "fine-tune at 84 px"]
     assert first["runs"]["defaults"]["image_size"] == [56, 56]
-    # a run kept from the record is taken as it was measured, with its commit
-    run_script("folder_runs.py", *tiny, "--only", "from scratch", "--keep", "fine-tune at 84 px")
+    # runs kept from the record (the defaults too) are taken as they were measured, with their commit; a second seed
+    # of the defaults is run, and is no run by hand
+    kept = ["defaults", "from scratch", "fine-tune at 84 px"]
+    run_script("folder_runs.py", *tiny, "--only", "--keep", *kept, "--seeds", "2")
     record = record_of(tmp_path / "results" / "folder-runs-mnist-5k.json", "folder-runs", "folder_runs.py")
     runs = record["runs"]
-    assert list(runs) == ["defaults", "from scratch", "fine-tune at 84 px"]
-    assert runs["fine-tune at 84 px"] == {"commit": first["commit"], **first["runs"]["fine-tune at 84 px"]}
-    assert runs["from scratch"]["process_seconds"] != first["runs"]["from scratch"]["process_seconds"]  # run again
+    assert list(runs) == ["defaults", "defaults, seed 1", "from scratch", "fine-tune at 84 px"]
+    assert all(runs[label] == {"commit": first["commit"], **first["runs"][label]} for label in kept)
+    assert runs["defaults, seed 1"]["options"] == ["--seed", "1"]
+    assert record["defaults_test_top1_over_seeds"] == [
+        runs[label]["test_top1"] for label in ("defaults", "defaults, seed 1")
+    ]
     assert all(run["total_steps"] == 2 and 0 <= run["test_top1"] <= 1 and run["chosen"] for run in runs.values())
     assert runs["fine-tune at 84 px"]["image_size"] == [84, 84] and runs["from scratch"]["checkpoint"] is None
     best = record["best_baseline"]["accuracy"]
@@ -333,7 +338,8 @@ def test_folder_runs_script_runs_the_defaults_and_the_hand_runs_in_a_tiny_mode_a
     assert record["target"] == pytest.approx(min(best + 0.05, (1 + best) / 2))
     assert record["best_by_hand"] == max(["from scratch", "fine-tune at 84 px"], key=lambda r: runs[r]["val_top1"])
     (row,) = table_rows("folder-runs", out.parent)
-    assert row.startswith("| mnist-5k (grayscale; 140 training images) |")
+    assert row.startswith("| mnist-5k (grayscale; 140 training images) |") and "; 2 seeds " in row
+    assert "seed 1" not in row  # the seeds are the defaults' range, not other runs
 
 
 def test_shard_formats_script_runs_in_a_tiny_mode_and_its_record_makes_the_formats_table(tmp_path):
