@@ -383,6 +383,8 @@ def probe_head(model: Model, dataset: LabelledDataset, c: float, precision: str 
     x = torch.cat([x for x, _ in pairs]).to(device)
     y = torch.cat([torch.as_tensor(labels, dtype=torch.long) for _, labels in pairs]).to(device)
     head = model.head
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"probe_head fits a linear head; this model's is a {type(head).__name__}: reset_head first.")
     w = torch.zeros(x.shape[1], head.out_features, dtype=x.dtype, device=device, requires_grad=True)
     b = torch.zeros(head.out_features, dtype=x.dtype, device=device, requires_grad=True)
     optimizer = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
