@@ -290,14 +290,13 @@ class TrainConfig:
             ("schedule", SCHEDULES),
             ("precision", PRECISIONS),
             ("strategy", STRATEGIES),
+            ("trainable", TRAINABLE),
+            ("head_init", HEAD_INITS),  # None too: fitted to the run
         )
         for name, allowed in choices:
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is unknown: choose one of {', '.join(allowed)}.")
-        if self.head_init is not None and self.head_init not in HEAD_INITS:
-            raise ValueError(f"head_init={self.head_init!r} is unknown: choose one of {', '.join(HEAD_INITS)}.")
-        if self.trainable not in TRAINABLE:
-            raise ValueError(f"trainable={self.trainable!r} is unknown: choose one of {', '.join(TRAINABLE)}.")
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name}={value!r} is unknown: choose one of {', '.join(allowed)}.")
         for name in ("crop_scale", "betas", "randaugment"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
