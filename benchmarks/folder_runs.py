@@ -44,6 +44,7 @@ HAND = {
     "fine-tune at 56 px": ["--image-size", "56"],
     "fine-tune at 84 px": ["--image-size", "84"],
     "fine-tune at 112 px": ["--image-size", "112"],
+    "layer decay 0.75": ["--layer-decay", "0.75"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}
 IMBALANCED = 2.0  # the largest class over the smallest, in training images, from which the balanced loss is tried

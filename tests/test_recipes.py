@@ -12,6 +12,7 @@ from vitkit.training.recipes import (
     build_optimizer,
     learning_rate,
     param_groups,
+    set_learning_rate,
     set_trainable,
 )
 
@@ -46,6 +47,30 @@ def test_weight_decay_applies_to_weight_matrices_only():
     for n, p in model.named_parameters():
         expected = before[n] * (1 - 0.1 * 0.5) if n in decayed_names else before[n]
         assert torch.allclose(p, expected), n
+
+
+def test_layer_decay_scales_each_depths_learning_rate_as_beit_and_timm():
+    # SGD without momentum moves each parameter by its group's lr times the gradient (ones): the move is the lr
+    model = tiny(layer_scale_init=0.1, representation_size=8)  # 2 blocks: depths 0 (embedding) to 3 (head)
+    config = TrainConfig(optimizer="sgd", momentum=0.0, weight_decay=0.0, layer_decay=0.5)
+    optimizer = build_optimizer(model, config)
+    set_learning_rate(optimizer, 0.8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    expected = {"embedding.weight": 0.1, "cls_token": 0.1, "posemb.weight": 0.1, "blocks.0.attn.qkv.weight": 0.2}
+    expected |= {"blocks.1.mlp.fc2.bias": 0.4, "blocks.1.ls1.gamma": 0.4, "encoder_norm.weight": 0.8}
+    expected |= {"pre_logits.0.weight": 0.8, "head.bias": 0.8}
+    moved = {n: (before[n] - p).mean().item() for n, p in model.named_parameters()}
+    for name, lr in expected.items():
+        assert math.isclose(moved[name], lr, rel_tol=1e-5), (name, moved[name], lr)
+    assert {n for n, p in model.named_parameters()} == set(moved)  # every parameter is in a group
+    # weight decay still applies to weight matrices only, in every depth's pair of groups
+    decayed = {id(p) for g in param_groups(model, 0.1, 0.5) if g["weight_decay"] for p in g["params"]}
+    assert decayed == {id(p) for p in param_groups(model, 0.1)[0]["params"]}
+    with pytest.raises(ValueError, match="layer_decay=0 must be in"):
+        TrainConfig(layer_decay=0)
 
 
 def sublayer(kind: str, layers: tuple[str, str]) -> set[str]:

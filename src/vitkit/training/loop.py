@@ -59,6 +59,7 @@ from .recipes import (
     main_job_data,
     plan_steps,
     resume_changes,
+    set_learning_rate,
     set_trainable,
     should_compile,
 )
@@ -370,8 +371,7 @@ def train_step(state: TrainState, micro_batches: MicroBatches) -> float:
     generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
     draws = random_draws(state.plan.batch, generator)[world.rank :: world.size]  # this process's samples
     lr = learning_rate(state.step, state.plan.total, config.lr, state.plan.warmup, config.schedule)
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr
+    set_learning_rate(state.optimizer, lr)
     finite = True
     for m in range(config.accumulation_steps):
         images, labels = next(micro_batches)

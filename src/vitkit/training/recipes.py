@@ -232,6 +232,11 @@ class TrainConfig:
     optimizer: str = _field("adamw", "optimiser: adamw (pre-training) or sgd with momentum (fine-tuning)", OPTIMIZERS)
     lr: float = _field(4e-3, "peak learning rate, reached after the warmup")
     weight_decay: float = _field(0.1, "decoupled weight decay on weight matrices only")
+    layer_decay: float = _field(
+        1.0,
+        "layer-wise learning-rate decay: block i of L learns at lr * d^(L - i), the embedding at d^(L + 1), the "
+        "final norm and head at lr; 1 turns it off",
+    )
     betas: tuple[float, float] = _field((0.9, 0.98), "Adam's B1 B2 (the paper's: 0.9 0.999)")
     momentum: float = _field(0.9, "SGD momentum")
     batch_size: int | None = _field(
@@ -306,6 +311,8 @@ class TrainConfig:
                 f"batch_size={self.batch_size} must be a positive multiple of accumulation_steps="
                 f"{self.accumulation_steps}: each step averages that many equal micro-batches."
             )
+        if not 0 < self.layer_decay <= 1:
+            raise ValueError(f"layer_decay={self.layer_decay} must be in (0, 1]: 1 turns layer-wise decay off.")
         if self.lr <= 0 or self.weight_decay < 0 or not 0 <= self.warmup_fraction < 1:
             raise ValueError(
                 f"lr={self.lr} must be > 0, weight_decay={self.weight_decay} >= 0, "
@@ -456,19 +463,47 @@ def is_decayed(name: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2 and not name.startswith(("posemb.", "cls_token"))
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two optimiser groups of the learning parameters: decayed and not decayed."""
+def layer_depth(name: str, num_layers: int) -> int:
+    """A parameter's depth for layer-wise decay: 0 for what comes before the encoder (stem, patch embedding,
+    class token, position embeddings), i + 1 for encoder block i, `num_layers` + 1 for the final norm and the head."""
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        return int(parts[1]) + 1
+    if parts[0] in ("stem", "embedding", "cls_token", "posemb"):
+        return 0
+    return num_layers + 1
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0) -> list[dict[str, Any]]:
+    """The optimiser groups of the learning parameters: decayed and not decayed, and with `layer_decay` < 1 one
+    pair per depth, each with its `lr_scale` (`layer_depth`; as BEiT's and timm's layer decay)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [
-        {"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": weight_decay},
-        {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0},
-    ]
+    blocks = getattr(model, "blocks", None)
+    if layer_decay == 1.0 or blocks is None:  # the ResNet baseline has no blocks to count
+        depths = {n: 0 for n, _ in named}
+        scales = [1.0]
+    else:
+        depths = {n: layer_depth(n, len(blocks)) for n, _ in named}
+        scales = [layer_decay ** (len(blocks) + 1 - d) for d in range(len(blocks) + 2)]
+    groups = []
+    for depth, scale in enumerate(scales):
+        for decayed, wd in ((True, weight_decay), (False, 0.0)):
+            params = [p for n, p in named if depths[n] == depth and is_decayed(n, p) == decayed]
+            if params or len(scales) == 1:
+                groups.append({"params": params, "weight_decay": wd, "lr_scale": scale})
+    return groups
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """Adam(W) with decoupled weight decay (p -= lr * wd * p, as flax's Adam in the official code) or SGD with
     momentum; the learning rate is set at every step by `learning_rate`."""
-    return OPTIMIZERS[config.optimizer](param_groups(model, config.weight_decay), config)
+    return OPTIMIZERS[config.optimizer](param_groups(model, config.weight_decay, config.layer_decay), config)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the step's learning rate on every group, scaled by the group's `lr_scale` (layer-wise decay)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def learning_rate(step: int, total_steps: int, base_lr: float, warmup_steps: int, schedule: str) -> float:
