@@ -10,6 +10,7 @@ from vitkit.training.recipes import (
     FINETUNE_DEFAULTS,
     TrainConfig,
     build_optimizer,
+    layer_depth,
     learning_rate,
     param_groups,
     set_learning_rate,
@@ -65,7 +66,8 @@ def test_layer_decay_scales_each_depths_learning_rate_as_beit_and_timm():
     moved = {n: (before[n] - p).mean().item() for n, p in model.named_parameters()}
     for name, lr in expected.items():
         assert math.isclose(moved[name], lr, rel_tol=1e-5), (name, moved[name], lr)
-    assert {n for n, p in model.named_parameters()} == set(moved)  # every parameter is in a group
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(moved)  # every parameter, in one group
+    assert layer_depth("_fsdp_wrapped_module.blocks.1._checkpoint_wrapped_module.mlp.fc1.weight", 2) == 2
     # weight decay still applies to weight matrices only, in every depth's pair of groups
     decayed = {id(p) for g in param_groups(model, 0.1, 0.5) if g["weight_decay"] for p in g["params"]}
     assert decayed == {id(p) for p in param_groups(model, 0.1)[0]["params"]}

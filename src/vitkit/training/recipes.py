@@ -465,8 +465,9 @@ def is_decayed(name: str, param: torch.Tensor) -> bool:
 
 def layer_depth(name: str, num_layers: int) -> int:
     """A parameter's depth for layer-wise decay: 0 for what comes before the encoder (stem, patch embedding,
-    class token, position embeddings), i + 1 for encoder block i, `num_layers` + 1 for the final norm and the head."""
-    parts = name.split(".")
+    class token, position embeddings), i + 1 for encoder block i, `num_layers` + 1 for the final norm and the head.
+    Wrappers' parts of the name (`_fsdp_wrapped_module`, `_orig_mod`, ...) are left out."""
+    parts = [part for part in name.split(".") if not part.startswith("_")]
     if parts[0] == "blocks":
         return int(parts[1]) + 1
     if parts[0] in ("stem", "embedding", "cls_token", "posemb"):
