@@ -45,6 +45,7 @@ HAND = {
     "fine-tune at 84 px": ["--image-size", "84"],
     "fine-tune at 112 px": ["--image-size", "112"],
     "layer decay 0.75": ["--layer-decay", "0.75"],
+    "lr 0.003": ["--lr", "0.003"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}
 IMBALANCED = 2.0  # the largest class over the smallest, in training images, from which the balanced loss is tried
