@@ -297,6 +297,7 @@ class TrainConfig:
             ("strategy", STRATEGIES),
             ("trainable", TRAINABLE),
             ("head_init", HEAD_INITS),  # None too: fitted to the run
+            ("nonfinite", NONFINITE),
         )
         for name, allowed in choices:
             value = getattr(self, name)
@@ -305,6 +306,10 @@ class TrainConfig:
         for name in ("crop_scale", "betas", "randaugment"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Numbers in their ranges, and the batch a whole number of micro-batches."""
         batch = self.accumulation_steps if self.batch_size is None else self.batch_size  # None: fitted to the data
         if batch < 1 or self.accumulation_steps < 1 or batch % self.accumulation_steps:
             raise ValueError(
@@ -347,8 +352,6 @@ class TrainConfig:
             raise ValueError(f"betas={self.betas} is invalid: two values in [0, 1).")
         if self.randaugment is not None and (self.randaugment[0] < 0 or not 0 <= self.randaugment[1] <= 30):
             raise ValueError(f"randaugment={self.randaugment} is invalid: (ops >= 0, magnitude in 0..30).")
-        if self.nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite={self.nonfinite!r} is unknown: choose one of {', '.join(NONFINITE)}.")
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
