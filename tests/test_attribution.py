@@ -10,6 +10,7 @@ from torch import nn
 import vitkit
 from helpers import tiny
 from vitkit.analysis import attribution as at
+from vitkit.analysis.saliency import ATTENTION_METHODS
 from vitkit.models.architectures import new_model
 
 PATCH, GRID = 4, (4, 4)  # the one-patch model's 16 px images: a 4x4 grid of 4 px patches
@@ -121,15 +122,6 @@ def test_the_blur_baseline_is_torchvisions_gaussian_blur_of_half_a_patch():
     assert torch.equal(mean[:, :, 5, 7], x.mean(dim=(-2, -1))) and not at.removal_baseline(x, "zero", 4).any()
 
 
-def test_patch_scores_sum_a_pixel_map_over_each_patch_and_keep_a_patch_map():
-    pixels = torch.arange(16 * 16, dtype=torch.float32).reshape(1, 16, 16)
-    scores = at.patch_scores(pixels, GRID, (16, 16))
-    assert scores.shape == (1, *GRID)
-    assert scores[0, 1, 2] == pixels[0, 4:8, 8:12].sum()
-    grid_map = torch.rand(2, *GRID)
-    assert torch.equal(at.patch_scores(grid_map, GRID, (16, 16)), grid_map)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Every method on the models vitkit has.
 # ----------------------------------------------------------------------------------------------------------
@@ -175,7 +167,7 @@ def test_the_resnet_is_scored_by_the_methods_that_apply_and_says_why_not_the_oth
         at.faithfulness(resnet, images)
     result = at.faithfulness(resnet, images, patch=4, steps=4, ig_steps=4)
     assert result.methods == ("occlusion", "integrated_gradients", "gradient_x_input")
-    assert set(result.skipped) == set(at.ATTENTION_METHODS)
+    assert set(result.skipped) == set(ATTENTION_METHODS)
     assert all("no attention layers" in why for why in result.skipped.values())
 
 

@@ -128,7 +128,8 @@ def test_experiments_share_the_trainings_they_have_in_common(tmp_path):
 
 @pytest.mark.slow
 def test_the_tiny_attribution_experiment_writes_a_row_per_model_and_method(tmp_path):
-    from vitkit.analysis.attribution import ATTENTION_METHODS, LABELS, METHODS
+    from vitkit.analysis.attribution import LABELS
+    from vitkit.analysis.saliency import ATTENTION_METHODS, METHODS
 
     result = experiment("attribution", preset="tiny", out=tmp_path, threads=1, progress=False)
     data = json.loads(result.files["results"].read_text())

@@ -6,6 +6,7 @@ Both are `ValueError`s, so code that already catches `ValueError` (the CLI's exi
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
@@ -43,6 +44,12 @@ def spelled(argument: str, option: str) -> str:
     """The fix an error names, as the caller gives it: the library's `argument` (`overwrite=True`), or from the
     command line its `option` (`--overwrite`)."""
     return argument if _COMMAND.get() is None else option
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """ " (did you mean 'x'?)" with the choice closest to a misspelt `name`, or "" where none is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class CheckpointError(ValueError):

@@ -10,14 +10,9 @@ sigma half a patch: the patch's detail gone, its mean colour kept), "mean" (the 
 `analysis.occlusion_sensitivity` fills), "zero" (0 in model input: mid-grey for [-1, 1] inputs, the dataset's mean
 colour for normalised ones).
 
-Methods (`METHODS`): last-layer [CLS] attention (heads averaged) and attention rollout (`vitkit.analysis`), occlusion
-with patch-sized windows one patch apart (`analysis.occlusion_sensitivity`, its own mean-colour fill), integrated
-gradients from the removal baseline and gradient x input (Captum, imported when used: `pip install captum`), and
-attention x gradient (Chefer et al. 2021, "Generic Attention-model Explainability": per layer the heads' mean of
-the positive part of grad(A) * A, accumulated as R <- R + A_bar R from R = I; the query's row of R). The attention
-methods need a ViT's attention and are skipped with the reason for other models (the BiT ResNet); a map of one's
-own, any (B, H, W) pixel map or (B, gh, gw) per-patch map such as `Rollout.grid` or `Occlusion.drop` stacked, is
-scored by `perturbation_curves`.
+The maps are `saliency`'s (`METHODS`: attention, rollout, occlusion, integrated gradients, gradient x input, attention
+x gradient); a map of one's own, any (B, H, W) pixel map or (B, gh, gw) per-patch map such as `Rollout.grid` or
+`Occlusion.drop` stacked, is scored by `perturbation_curves`.
 
 The curves are written here, not taken from Quantus 0.6.0: its nearest metrics (`RegionPerturbation`,
 `PixelFlipping`) are deletion only, with no insertion curve, and installing it pulls in opencv-python; the two
@@ -26,31 +21,30 @@ curves are a few lines over batched forward passes.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import difflib
 import math
 import typing
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vitkit.errors import did_you_mean
 from vitkit.models.vit import VisionTransformer
 
 from . import figures as vi
-
-METHODS = (
-    "attention",
-    "rollout",
-    "occlusion",
-    "integrated_gradients",
-    "gradient_x_input",
-    "attention_x_gradient",
+from .saliency import (
+    GRADIENT_METHODS,
+    METHODS,
+    applicable,
+    evaluating,
+    patch_grid,
+    patch_index,
+    patch_maps,
+    patch_pixels,
+    patch_scores,
 )
+
 LABELS = {
     "attention": "last-layer attention",
     "rollout": "attention rollout",
@@ -67,9 +61,6 @@ BASELINE_DESCRIPTIONS = {
     "zero": "0 in model input (mid-grey for [-1, 1] inputs, the dataset's mean colour for normalised ones)",
 }
 RANDOM = "random"
-ATTENTION_METHODS = ("attention", "rollout", "attention_x_gradient")  # need a ViT's attention probabilities
-GRADIENT_METHODS = ("integrated_gradients", "gradient_x_input", "attention_x_gradient")
-CAPTUM_METHODS = ("integrated_gradients", "gradient_x_input")
 
 
 @dataclass(frozen=True)
@@ -120,47 +111,6 @@ class Faithfulness:
         return sum(values) / len(values)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Patches: the grid the maps are ranked on and the images perturbed on.
-# ----------------------------------------------------------------------------------------------------------
-
-
-def patch_grid(model: nn.Module, image_size: tuple[int, int], patch: int | None = None) -> tuple[int, int]:
-    """The (gh, gw) grid of patches: `patch` pixels square, or by default a ViT's own token grid."""
-    if patch is None:
-        if not isinstance(model, VisionTransformer):
-            raise ValueError(
-                f"a {type(model).__name__} has no patch grid of its own: pass patch=<pixels> (e.g. the patch size "
-                "of the ViT it is compared with)."
-            )
-        return model.config.grid_size
-    h, w = image_size
-    if not 0 < patch <= min(h, w):
-        raise ValueError(f"patch={patch}: need 0 < patch <= {min(h, w)}, the image's shorter side.")
-    return (h // patch, w // patch)
-
-
-def _patch_index(grid: tuple[int, int], image_size: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """(H, W): the row-major index of the patch each pixel belongs to (nearest, so a grid that does not divide the
-    image evenly still covers every pixel)."""
-    ids = torch.arange(grid[0] * grid[1], device=device, dtype=torch.float32).reshape(1, 1, *grid)
-    return F.interpolate(ids, size=image_size, mode="nearest")[0, 0].long()
-
-
-def patch_scores(maps: torch.Tensor, grid: tuple[int, int], image_size: tuple[int, int]) -> torch.Tensor:
-    """Any maps (B, h, w) -> per-patch scores (B, gh, gw): already on the grid, kept; otherwise brought to the
-    image's pixels (nearest) and summed over each patch."""
-    if maps.ndim != 3:
-        raise ValueError(f"expected maps of shape (B, H, W) or (B, gh, gw), got {tuple(maps.shape)}.")
-    if tuple(maps.shape[-2:]) == tuple(grid):
-        return maps.float()
-    pixels = F.interpolate(maps[:, None].float(), size=image_size, mode="nearest")[:, 0]  # (B, H, W)
-    index = _patch_index(grid, image_size, maps.device).flatten()
-    sums = torch.zeros(maps.shape[0], grid[0] * grid[1], device=maps.device)
-    sums.index_add_(1, index, pixels.flatten(1))
-    return sums.reshape(-1, *grid)
-
-
 def removal_baseline(images: torch.Tensor, baseline: str, patch: int) -> torch.Tensor:
     """What a removed patch is replaced with, (B, C, H, W): see the module docstring for each `baseline`."""
     if baseline == "blur":
@@ -169,9 +119,7 @@ def removal_baseline(images: torch.Tensor, baseline: str, patch: int) -> torch.T
         return images.mean(dim=(-2, -1), keepdim=True).expand_as(images).clone()
     if baseline == "zero":
         return torch.zeros_like(images)
-    raise ValueError(
-        f"baseline={baseline!r}: choose one of {', '.join(BASELINES)}{_did_you_mean(baseline, BASELINES)}."
-    )
+    raise ValueError(f"baseline={baseline!r}: choose one of {', '.join(BASELINES)}{did_you_mean(baseline, BASELINES)}.")
 
 
 def gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -181,20 +129,6 @@ def gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
 
     radius = min(math.ceil(2 * sigma), min(images.shape[-2:]) - 1)
     return blur(images, [2 * radius + 1] * 2, [sigma, sigma])
-
-
-def _size(images: torch.Tensor) -> tuple[int, int]:
-    return int(images.shape[-2]), int(images.shape[-1])
-
-
-def _vit(model: nn.Module) -> VisionTransformer:
-    """`model` as the ViT the caller has checked it is (or whose config has what a ViT's has)."""
-    return typing.cast(VisionTransformer, model)
-
-
-def _did_you_mean(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -268,14 +202,14 @@ def perturbation_curves(
     images = vi._as_batch(images)
     if maps.shape[0] != images.shape[0]:
         raise ValueError(f"{maps.shape[0]} maps for {images.shape[0]} images: give one map per image.")
-    size = _size(images)
+    size = (int(images.shape[-2]), int(images.shape[-1]))
     grid = patch_grid(model, size, patch)
     steps = _check_steps(steps, grid)
     explained = _targets(model, images, targets)[0]
     orders = patch_scores(maps.to(images.device), grid, size).flatten(1).argsort(dim=-1, descending=True, stable=True)
-    baselines = removal_baseline(images, baseline, _patch_pixels(model, patch))
-    index = _patch_index(grid, size, images.device)
-    with _eval(model):
+    baselines = removal_baseline(images, baseline, patch_pixels(model, patch))
+    index = patch_index(grid, size, images.device)
+    with evaluating(model):
         curves = _curves_of_orders(model, images, baselines, orders[None], explained, steps, index, batch_size, None)
     return Curves(curves.deletion[0], curves.insertion[0], curves.fraction)
 
@@ -291,21 +225,6 @@ def _check_steps(steps: int | None, grid: tuple[int, int]) -> int:
     return steps
 
 
-def _patch_pixels(model: nn.Module, patch: int | None) -> int:
-    return patch if patch is not None else int(_vit(model).config.patch_stride[0])
-
-
-@contextlib.contextmanager
-def _eval(model: nn.Module) -> Iterator[None]:
-    """The model in eval mode for the block, its mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 @torch.no_grad()
 def _targets(
     model: nn.Module, images: torch.Tensor, labels: Sequence[int] | torch.Tensor | None
@@ -316,7 +235,7 @@ def _targets(
             "the model has no head (num_classes=0): deletion and insertion follow a class probability; give a "
             "classifier (a fine-tuned model, or reset_head(n) and train it)."
         )
-    with _eval(model):
+    with evaluating(model):
         probs = model(images).float().softmax(dim=-1)
     if labels is None:
         targets = probs.argmax(dim=-1)
@@ -328,145 +247,6 @@ def _targets(
         if bad:
             raise ValueError(f"labels {bad} are not classes of this model: use 0..{probs.shape[-1] - 1}.")
     return targets, probs.gather(1, targets[:, None])[:, 0]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The maps of each method, per patch: (B, gh, gw).
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Inputs:
-    model: nn.Module
-    images: torch.Tensor  # (B, C, H, W)
-    targets: torch.Tensor  # (B,)
-    baselines: torch.Tensor  # (B, C, H, W)
-    grid: tuple[int, int]
-    patch: int  # pixels
-    ig_steps: int
-    batch_size: int
-    on_batch: Callable[[int], None] | None
-
-
-def _parts(inp: _Inputs, size: int) -> list[_Inputs]:
-    """`inp` cut into consecutive groups of at most `size` images: the maps of a group at a time bound the memory
-    of the gradient methods."""
-    return [
-        dataclasses.replace(
-            inp,
-            images=inp.images[i : i + size],
-            targets=inp.targets[i : i + size],
-            baselines=inp.baselines[i : i + size],
-        )
-        for i in range(0, inp.images.shape[0], size)
-    ]
-
-
-def _to_grid(inp: _Inputs, maps: torch.Tensor) -> torch.Tensor:
-    return patch_scores(maps, inp.grid, _size(inp.images))
-
-
-@torch.no_grad()
-def _last_layer_attention(inp: _Inputs) -> torch.Tensor:
-    model = _vit(inp.model)
-    last = model.forward_intermediates(inp.images, attention=True)["attention"][-1]  # (B, heads, N, N)
-    row, _ = vi._query_row(model, last.float().mean(dim=1))  # (B, P)
-    return _to_grid(inp, row.reshape(-1, *model.config.grid_size))
-
-
-def _rollout(inp: _Inputs) -> torch.Tensor:
-    grids = [vi.attention_rollout(_vit(inp.model), image).grid for image in inp.images]
-    return _to_grid(inp, torch.stack(grids).to(inp.images.device))
-
-
-def _occlusion(inp: _Inputs) -> torch.Tensor:
-    drops = [
-        vi.occlusion_sensitivity(
-            inp.model, image, target=int(t), patch=inp.patch, stride=inp.patch, on_batch=inp.on_batch
-        ).drop
-        for image, t in zip(inp.images, inp.targets)
-    ]
-    return _to_grid(inp, torch.stack(drops).to(inp.images.device))
-
-
-def _captum(name: str):
-    try:
-        from captum import attr
-    except ImportError as e:
-        raise ImportError(
-            f"method {name!r} uses Captum, which is not installed: pip install captum (or leave {name!r} out of "
-            "methods=)."
-        ) from e
-    return attr
-
-
-def _integrated_gradients(inp: _Inputs) -> torch.Tensor:
-    ig = _captum("integrated_gradients").IntegratedGradients(inp.model)
-    pixels = ig.attribute(
-        inp.images,
-        baselines=inp.baselines,
-        target=inp.targets,
-        n_steps=inp.ig_steps,
-        internal_batch_size=inp.batch_size,
-    )
-    return _to_grid(inp, pixels.detach().sum(dim=1))  # signed: evidence for the class ranks first
-
-
-def _gradient_x_input(inp: _Inputs) -> torch.Tensor:
-    x = inp.images.detach().clone().requires_grad_(True)
-    pixels = _captum("gradient_x_input").InputXGradient(inp.model).attribute(x, target=inp.targets)
-    return _to_grid(inp, pixels.detach().sum(dim=1))
-
-
-def _attention_x_gradient(inp: _Inputs) -> torch.Tensor:
-    model = _vit(inp.model)
-    x = inp.images.detach().clone().requires_grad_(True)  # the graph reaches the attention even with frozen weights
-    with torch.enable_grad():
-        out = model.forward_intermediates(x, attention=True)
-        score = out["logits"].float().gather(1, inp.targets[:, None]).sum()
-        grads = torch.autograd.grad(score, out["attention"])
-    n = out["attention"][0].shape[-1]
-    relevance = torch.eye(n, device=x.device).expand(x.shape[0], n, n)
-    for a, g in zip(out["attention"], grads):
-        a_bar = (g * a).detach().float().clamp(min=0).mean(dim=1)  # (B, N, N): heads averaged
-        relevance = relevance + a_bar @ relevance
-    row, _ = vi._query_row(model, relevance)
-    return _to_grid(inp, row.reshape(-1, *model.config.grid_size))
-
-
-MAP_FUNCTIONS: dict[str, Callable[[_Inputs], torch.Tensor]] = {
-    "attention": _last_layer_attention,
-    "rollout": _rollout,
-    "occlusion": _occlusion,
-    "integrated_gradients": _integrated_gradients,
-    "gradient_x_input": _gradient_x_input,
-    "attention_x_gradient": _attention_x_gradient,
-}
-
-
-def applicable(model: nn.Module, methods: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """The `methods` that apply to `model`, and for the others why not. Unknown names are a ValueError."""
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}: choose from {', '.join(METHODS)}{_did_you_mean(m, METHODS)}.")
-    if isinstance(model, VisionTransformer):
-        return list(methods), {}
-    reason = f"a {type(model).__name__} has no attention layers to read"
-    return [m for m in methods if m not in ATTENTION_METHODS], {m: reason for m in methods if m in ATTENTION_METHODS}
-
-
-def _check_gradients(model: nn.Module, image: torch.Tensor) -> None:
-    """Refuse a model that passes no gradient to its input, as an `optimize`d copy (packed kernels) does."""
-    x = image[None].detach().clone().requires_grad_(True)
-    with torch.enable_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the packed kernels' "no autograd kernel" warning: the error below says it
-        logits = model(x).float()
-        (grad,) = torch.autograd.grad(logits[0].max(), x, allow_unused=True)
-    if grad is None:  # a zero gradient is a gradient: a fresh model's zero head gives one
-        raise ValueError(
-            "the model passes no gradient to its input (a copy made by vitkit.optimize computes without autograd): "
-            "give the gradient methods the model as loaded, or leave them out of methods=."
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -502,21 +282,17 @@ def faithfulness(
     if orderings < 1:
         raise ValueError(f"orderings={orderings}: the random floor needs at least one random ordering.")
     chosen, skipped = applicable(model, methods)
-    size = _size(images)
+    size = (int(images.shape[-2]), int(images.shape[-1]))
     grid = patch_grid(model, size, patch)
     steps = _check_steps(steps, grid)
-    pixels = _patch_pixels(model, patch)
     targets, probability = _targets(model, images, labels)
-    baselines = removal_baseline(images, baseline, pixels)
-    inp = _Inputs(model, images, targets, baselines, grid, pixels, ig_steps, batch_size, on_batch)
-    with _eval(model):
-        if any(m in GRADIENT_METHODS for m in chosen):
-            _check_gradients(model, images[0])
-        maps = {m: _map(inp, m) for m in chosen}
+    baselines = removal_baseline(images, baseline, patch_pixels(model, patch))
+    maps = patch_maps(model, images, targets, baselines, chosen, patch, ig_steps, batch_size, on_batch)
+    with evaluating(model):
         ranked = [maps[m].flatten(1).argsort(dim=-1, descending=True, stable=True) for m in chosen]
         random = _random_orders(orderings, images.shape[0], grid[0] * grid[1], seed).to(images.device)
         orders = torch.cat([torch.stack(ranked), random]) if ranked else random  # (methods + orderings, B, P)
-        index = _patch_index(grid, size, images.device)
+        index = patch_index(grid, size, images.device)
         curves = _curves_of_orders(model, images, baselines, orders, targets, steps, index, batch_size, on_batch)
     k, deletion, insertion = len(chosen), curves.deletion_auc, curves.insertion_auc  # (methods + orderings, B)
     return Faithfulness(
@@ -532,11 +308,6 @@ def faithfulness(
         maps={m: maps[m].detach().cpu() for m in chosen},
         skipped=skipped,
     )
-
-
-def _map(inp: _Inputs, method: str) -> torch.Tensor:
-    """`method`'s patch map (B, gh, gw) of every image, computed an eighth of a batch at a time."""
-    return torch.cat([MAP_FUNCTIONS[method](part).float() for part in _parts(inp, max(inp.batch_size // 8, 1))])
 
 
 def _by_method(auc: torch.Tensor, chosen: Sequence[str]) -> dict[str, tuple[float, ...]]:
@@ -567,10 +338,10 @@ def forward_passes(
     """What `faithfulness` will cost, before it runs: forward passes of the curves and of the maps, and backward
     passes (each about twice a forward pass), for `images` images."""
     chosen, _ = applicable(model, methods)
-    size = _vit(model).config.image_size
+    size = typing.cast(VisionTransformer, model).config.image_size
     grid = patch_grid(model, size, patch)
     steps = _check_steps(steps, grid)
-    pixels = _patch_pixels(model, patch)
+    pixels = patch_pixels(model, patch)
     per_image = {
         "attention": 1,
         "rollout": 1,

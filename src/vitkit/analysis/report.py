@@ -36,6 +36,7 @@ from .plots import (
     plot_saliency,
     png_bytes,
 )
+from .saliency import CAPTUM_METHODS
 
 FAITHFULNESS_STEPS = 16  # points of each deletion and insertion curve in the report (at most one per patch)
 FAITHFULNESS_ORDERINGS = 3  # random orderings averaged for the floor
@@ -219,7 +220,7 @@ th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; } th { back
 def faithfulness_methods() -> tuple[list[str], str]:
     """The attribution methods the report measures, and a note on those left out (Captum not installed)."""
     if importlib.util.find_spec("captum") is None:
-        kept = [m for m in at.METHODS if m not in at.CAPTUM_METHODS]
+        kept = [m for m in at.METHODS if m not in CAPTUM_METHODS]
         return kept, "Integrated gradients and gradient x input are left out: they need Captum (pip install captum)."
     return list(at.METHODS), ""
 
