@@ -46,6 +46,7 @@ HAND = {
     "fine-tune at 112 px": ["--image-size", "112"],
     "layer decay 0.75": ["--layer-decay", "0.75"],
     "lr 0.003": ["--lr", "0.003"],
+    "crop 50-100%": ["--crop-scale", "0.5", "1"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}
 IMBALANCED = 2.0  # the largest class over the smallest, in training images, from which the balanced loss is tried
