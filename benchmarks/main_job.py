@@ -6,6 +6,7 @@ seeds. One JSON record, from which benchmarks/tables.py makes docs/MAIN_JOB.md's
 
     python benchmarks/main_job.py --seeds 0 1 2 --out benchmarks/results/main-job-<cpu>.json
     python benchmarks/main_job.py --seeds 0 1 2 --val-fraction 0.1 --out ...   # the recipe checked on val
+    python benchmarks/main_job.py --val-fraction 0.1 --options "--batch-size 64" --out ...   # a change, on val
     python benchmarks/main_job.py --tiny --seeds 0 1 --out /tmp/main-job.json   # 4 steps on the synthetic shapes
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -31,11 +33,23 @@ def percent(fraction: float | None) -> float | None:
     return None if fraction is None else round(100 * fraction, 2)
 
 
-def run(seed: int, scratch: Path, extra: list[str]) -> dict:
-    """One `vitkit train --seed SEED` in its own process and inductor cache: what its summary and config say."""
+def run(seed: int, scratch: Path, extra: list[str], options: list[str]) -> dict:
+    """One `vitkit train OPTIONS --seed SEED` in its own process and inductor cache: what its summary and config
+    say."""
     run_dir = scratch / f"seed-{seed}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"inductor-{seed}")}
-    command = [sys.executable, "-m", "vitkit", "train", "--seed", str(seed), "--out-dir", str(run_dir), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "vitkit",
+        "train",
+        "--seed",
+        str(seed),
+        "--out-dir",
+        str(run_dir),
+        *extra,
+        *options,
+    ]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
@@ -50,7 +64,7 @@ def run(seed: int, scratch: Path, extra: list[str]) -> dict:
         "precision": train["precision"],
         "schedule": train["schedule"],
         "cache": "cold",
-        "how": f"vitkit train --seed {seed}",
+        "how": " ".join(["vitkit train", *options, "--seed", str(seed)]),
         "top1": percent(summary["test_top1"]),
         "top5": percent(summary["test_top5"]),
         "val_top1": percent(summary["val_top1"]),
@@ -84,17 +98,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="4 steps of a one-layer model on the synthetic shapes")
     parser.add_argument("--val-fraction", type=float, help="hold this share of each class out as val: the recipe "
                         "checked on val (default: the main job's own, which trains on all the images)")  # fmt: skip
+    parser.add_argument("--options", default="", help='vitkit train options of a change to the recipe, measured over '
+                        'the seeds: e.g. "--batch-size 64" (default: none, the main job)')  # fmt: skip
     args = parser.parse_args(argv)
+    options = shlex.split(args.options)
     extra = TINY if args.tiny else []
     extra += [] if args.val_fraction is None else ["--data-args", f"val_fraction={args.val_fraction}"]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
-            rows.append(run(seed, Path(scratch), extra))
+            rows.append(run(seed, Path(scratch), extra, options))
             row = rows[-1]
             val = "" if row["val_top1"] is None else f" (val {row['val_top1']:.2f}%)"
             print(f"seed {seed}: test {row['top1']:.2f}%{val} in {row['wall_s']:.0f} s", flush=True)
-    record = {**record_header("main-job"), "tiny": args.tiny, "rows": rows, "over_seeds": over_seeds(rows)}
+    record = {
+        **record_header("main-job"),
+        "tiny": args.tiny,
+        "options": options,
+        "rows": rows,
+        "over_seeds": over_seeds(rows),
+    }
     path = write_record(args.out, record)
     seeds = record["over_seeds"]
     print(f"lowest {GOAL + seeds['margin']:.2f}%: {seeds['margin']:+.2f} points from {GOAL:.0f}%, spread "

@@ -208,7 +208,7 @@ def main_job(records: list[dict]) -> str:
     val split it held out of the training images (none before runs chose on val)."""
     groups: dict[tuple, list[dict]] = {}
     for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
-        if record.get("benchmark") == "main-job":
+        if record.get("benchmark") == "main-job" and not record.get("options"):  # a change: its own table
             for row in record["rows"]:
                 val = f"{row['val_images']:,} images" if row.get("val_images") else "none"
                 groups.setdefault((label(record["machine"]), row["precision"], row["schedule"], val), []).append(row)

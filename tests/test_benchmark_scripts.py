@@ -386,6 +386,12 @@ def test_main_job_script_runs_each_seed_from_a_cold_cache_and_makes_the_main_job
     (row,) = table_rows("main-job", out.parent)
     cells = row.strip("|").split(" | ")
     assert cells[1:5] == [rows[0]["precision"], rows[0]["schedule"], f"{rows[0]['val_images']:,} images", "2 (2 seeds)"]
+    change = out.parent / "main-job-lr.json"  # a change to the recipe: recorded with its options, not a main-job row
+    run_script("main_job.py", "--tiny", "--seeds", "0", "--options", "--lr 0.01", "--out", str(change))
+    changed = record_of(change, "main-job", "main_job.py")
+    assert changed["options"] == ["--lr", "0.01"] and changed["rows"][0]["how"] == "vitkit train --lr 0.01 --seed 0"
+    assert changed["rows"][0]["top1"] != rows[0]["top1"] or changed["rows"][0]["val_top1"] != rows[0]["val_top1"]
+    assert len(table_rows("main-job", out.parent)) == 1
 
 
 @pytest.mark.slow
