@@ -6,9 +6,9 @@ with every option at its default, then each run of `HAND` (options given), each 
 start; per run the line the defaults print, val and test top-1, balanced accuracy, per-class test accuracy, steps and
 wall time. Beside them the folder's baselines (logistic regression and k-NN on 32x32 pixels, both alpha rules:
 `folders.baselines`) and the target the defaults are held to: the best baseline plus 5 points, or half of its errors
-removed where that is the smaller step. The best run by hand is the one with the best val top-1 (each run reads its
-test split once, at its end; the choice among runs is on val too). `--seeds N` runs the defaults with N seeds, so the
-record shows how far one run moves on a folder this small.
+removed where that is the smaller step. The best run by hand is the one with the best val top-1, the mean over its
+seeds (each run reads its test split once, at its end; the choice among runs is on val too). `--seeds N` runs the
+defaults and each run by hand with N seeds, so the record shows how far one run moves on a folder this small.
 
     python benchmarks/folders.py --folders mnist-5k gcompris-photos oxygen-icons tuxpaint-stamps --root /tmp/folders \\
         --out /tmp/folders/baselines.json
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -125,26 +126,29 @@ def folder_record(
     kept: dict,
     seeds: int = 1,
 ) -> dict:
-    """The defaults (with `seeds` seeds: the first is "defaults", each other one "defaults, seed S") and the runs by
-    hand on ROOT/NAME (`hand_runs`; those in `kept`, runs recorded before, the defaults too, are taken as they are),
-    beside its baselines."""
+    """The defaults and the runs by hand on ROOT/NAME (`hand_runs`), each with `seeds` seeds (the first is LABEL, each
+    other one "LABEL, seed S"), beside its baselines. Runs in `kept`, recorded before, are taken as they are."""
     folder = root / name
     per_class = {
         c.name: sum(f.is_file() for f in c.iterdir()) for c in sorted((folder / "train").iterdir()) if c.is_dir()
     }
     runs = {"defaults": kept.get("defaults") or train(folder, [], runs_dir / "defaults", extra)}
-    for seed in range(1, seeds):
-        runs[f"defaults, seed {seed}"] = train(folder, ["--seed", str(seed)], runs_dir / f"seed-{seed}", extra)
     hand = hand_runs(per_class, runs["defaults"]["image_size"][0], only)
-    for label, options in hand.items():
-        runs[label] = train(folder, options, runs_dir / label.replace(" ", "-"), extra)
+    for label, options in {"defaults": [], **hand}.items():
+        for seed in range(seeds):
+            run = label if seed == 0 else f"{label}, seed {seed}"
+            if run not in runs:
+                seeded = options + (["--seed", str(seed)] if seed else [])
+                runs[run] = kept.get(run) or train(folder, seeded, runs_dir / re.sub(r"[^\w.]+", "-", run), extra)
     for label, run in kept.items():
         runs.setdefault(label, run)
     baseline, which = best_baseline(baselines)
     in_time = [
-        label for label in runs if not label.startswith("defaults") and runs[label]["process_seconds"] <= TIME_LIMIT
+        label
+        for label in runs
+        if not label.startswith("defaults") and ", seed " not in label and runs[label]["process_seconds"] <= TIME_LIMIT
     ]
-    hand = max(in_time, key=lambda label: runs[label]["val_top1"])
+    hand = max(in_time, key=lambda label: mean_val(runs, label))
     defaults = runs["defaults"]["test_top1"]
     every_seed = [run["test_top1"] for label, run in runs.items() if label.startswith("defaults")]
     return {
@@ -161,6 +165,12 @@ def folder_record(
         "defaults_test_top1_over_seeds": every_seed,
         "defaults_reach_target_every_seed": min(every_seed) >= target(baseline),
     }
+
+
+def mean_val(runs: dict, label: str) -> float:
+    """The val top-1 of run `label`, the mean over its seeds where several ran."""
+    values = [run["val_top1"] for name, run in runs.items() if name.split(", seed ")[0] == label]
+    return sum(values) / len(values)
 
 
 def kept_runs(path: Path, labels: list[str]) -> dict:
@@ -188,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", metavar="LABEL", help=f"run these runs by hand alone (none: the defaults "
                         f"alone): {', '.join(HAND)}, {', '.join(BALANCED)}")  # fmt: skip
     parser.add_argument("--keep", nargs="+", default=[], metavar="LABEL", help="take these runs by hand (or the "
-                        "defaults) from the record already at --out as they were measured (with their commit), not run "
-                        "again")  # fmt: skip
-    parser.add_argument("--seeds", type=int, default=1, help="seeds of the defaults (default 1): how far a run moves")
+                        "defaults; another seed as 'LABEL, seed S') from the record already at --out as they were "
+                        "measured (with their commit), not run again")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=1, help="seeds of the defaults and of each run by hand "
+                        "(default 1): how far a run moves")  # fmt: skip
     args = parser.parse_args(argv)
     root = Path(args.root)
     known = [*HAND, *BALANCED]
     unknown = [label for label in args.only or [] if label not in known]
-    unknown += [label for label in args.keep if label not in ["defaults", *known]]
+    unknown += [label for label in args.keep if label.split(", seed ")[0] not in ["defaults", *known]]
     if unknown:
         parser.error(f"no run by hand is called {', '.join(unknown)}: choose among {', '.join(known)}")
     if "{folder}" not in args.out:

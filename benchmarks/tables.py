@@ -237,6 +237,28 @@ def recipe(records: list[dict]) -> str:
     return markdown(["change", "decay", "machine", "test top-1", "wall time"], rows, right=2)
 
 
+def recipe_on_val(records: list[dict]) -> str:
+    """`benchmarks/main_job.py --val-fraction`: the main job with val held out of its training images, as it is and
+    with one change to the recipe (`--options`), over seeds: val top-1 (where a change is chosen), test top-1, time."""
+
+    def span(values: list[float], unit: str = "%") -> str:
+        low, high = min(values), max(values)
+        return f"{low:.2f}{unit}" if low == high else f"{low:.2f}-{high:.2f}{unit}"
+
+    rows = []
+    for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
+        runs = record.get("rows", [])
+        if record.get("benchmark") == "main-job" and runs and runs[0].get("val_images"):
+            change = " ".join(record.get("options", [])) or "none: the recipe"
+            wall = sorted(row["wall_s"] for row in runs)
+            rows.append([
+                f"`{change}`" if record.get("options") else change, label(record["machine"]), str(len(runs)),
+                span([row["val_top1"] for row in runs]), span([row["top1"] for row in runs]),
+                minutes(wall[0]) + ("" if len(wall) == 1 else f" to {minutes(wall[-1])}"),
+            ])  # fmt: skip
+    return markdown(["change", "machine", "seeds", "val top-1", "test top-1", "wall time"], rows, right=4)
+
+
 def transfer(records: list[dict]) -> str:
     """benchmarks/transfer.py: the pre-trained ViT-S/14 against the same network from scratch."""
     rows = []
@@ -248,10 +270,15 @@ def transfer(records: list[dict]) -> str:
     return markdown(["data", "model", "linear probe", "full fine-tune", "fine-tune steps"], rows, right=3)
 
 
+def spread(top1: list[float]) -> str:
+    """ "; N seeds LOW-HIGH" for a run with several seeds, else nothing."""
+    return f"; {len(top1)} seeds {min(top1):.1%}-{max(top1):.1%}" if len(top1) > 1 else ""
+
+
 def folder_runs(records: list[dict]) -> str:
     """benchmarks/folder_runs.py: `vitkit train` with its defaults against the best run by hand and the pixel
     baselines, per folder of real images (the latest record of each folder and machine; test top-1, balanced
-    accuracy in brackets; the defaults' range over seeds where several ran)."""
+    accuracy in brackets; a run's range over seeds where several ran)."""
     latest: dict[tuple[str, str], dict] = {}
     for record in sorted(records, key=lambda r: r.get("date") or ""):
         if record.get("benchmark") == "folder-runs":
@@ -266,15 +293,16 @@ def folder_runs(records: list[dict]) -> str:
         baseline = record["best_baseline"]
         defaults = runs["defaults"]
         images = sum(record["train_per_class"].values())
-        seeds = [run["test_top1"] for name, run in runs.items() if name.startswith("defaults")]
-        spread = f"; {len(seeds)} seeds {min(seeds):.1%}-{max(seeds):.1%}" if len(seeds) > 1 else ""
+        seeds: dict[str, list[float]] = {}  # test top-1 of each run over its seeds
+        for name, run in runs.items():
+            seeds.setdefault(name.split(", seed ")[0], []).append(run["test_top1"])
         rows.append([
             f"{folder} ({record['kind']}; {images:,} training images)", machine,
             f"{baseline['accuracy']:.1%} {baseline['model']}", f"{record['target']:.1%}",
-            f"**{score(defaults)}**, {minutes(defaults['wall_seconds'])}{spread}",
-            f"{score(runs[hand])}, {minutes(runs[hand]['wall_seconds'])} ({hand})",
-            ", ".join(f"{name} {run['test_top1']:.1%}" for name, run in runs.items()
-                      if not name.startswith("defaults") and name != hand),
+            f"**{score(defaults)}**, {minutes(defaults['wall_seconds'])}{spread(seeds['defaults'])}",
+            f"{score(runs[hand])}, {minutes(runs[hand]['wall_seconds'])} ({hand}{spread(seeds[hand])})",
+            ", ".join(f"{name} {top1[0]:.1%}" if len(top1) == 1 else f"{name} {min(top1):.1%}-{max(top1):.1%}"
+                      for name, top1 in seeds.items() if name not in ("defaults", hand)),
         ])  # fmt: skip
     head = ["folder", "machine", "best baseline", "target", "defaults", "best by hand (on val)", "other runs"]
     return markdown(head, rows)
@@ -643,6 +671,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "options": options,
     "main-job": main_job,
     "recipe": recipe,
+    "recipe-on-val": recipe_on_val,
     "transfer": transfer,
     "transfer-normalization": transfer_normalization,
     "shard-formats": shard_formats,
