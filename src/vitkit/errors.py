@@ -47,7 +47,7 @@ def spelled(argument: str, option: str) -> str:
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """ " (did you mean 'x'?)" with the choice closest to a misspelt `name`, or "" where none is close."""
+    """The hint after a misspelt `name`: " (did you mean 'x'?)" with the closest of `choices`, or "" where none is."""
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
