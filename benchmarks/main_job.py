@@ -38,18 +38,8 @@ def run(seed: int, scratch: Path, extra: list[str], options: list[str]) -> dict:
     say."""
     run_dir = scratch / f"seed-{seed}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"inductor-{seed}")}
-    command = [
-        sys.executable,
-        "-m",
-        "vitkit",
-        "train",
-        "--seed",
-        str(seed),
-        "--out-dir",
-        str(run_dir),
-        *extra,
-        *options,
-    ]
+    command = [sys.executable, "-m", "vitkit", "train", "--seed", str(seed), "--out-dir", str(run_dir)]
+    command += [*extra, *options]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start

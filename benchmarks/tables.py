@@ -241,9 +241,9 @@ def recipe_on_val(records: list[dict]) -> str:
     """`benchmarks/main_job.py --val-fraction`: the main job with val held out of its training images, as it is and
     with one change to the recipe (`--options`), over seeds: val top-1 (where a change is chosen), test top-1, time."""
 
-    def span(values: list[float], unit: str = "%") -> str:
+    def span(values: list[float]) -> str:
         low, high = min(values), max(values)
-        return f"{low:.2f}{unit}" if low == high else f"{low:.2f}-{high:.2f}{unit}"
+        return f"{low:.2f}%" if low == high else f"{low:.2f}-{high:.2f}%"
 
     rows = []
     for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
@@ -271,7 +271,7 @@ def transfer(records: list[dict]) -> str:
 
 
 def spread(top1: list[float]) -> str:
-    """ "; N seeds LOW-HIGH" for a run with several seeds, else nothing."""
+    """The suffix "; N seeds LOW-HIGH" for a run with several seeds, else nothing."""
     return f"; {len(top1)} seeds {min(top1):.1%}-{max(top1):.1%}" if len(top1) > 1 else ""
 
 
