@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vitkit.errors import spelled
+from vitkit.errors import did_you_mean, spelled
 
 CLASSIFIERS = ("token", "gap")
 POSEMBS = ("learn", "learn2d", "relative", "sincos2d", "none")
@@ -45,10 +45,7 @@ def check_fields(cls: type, names: Iterable[str]) -> None:
     valid = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(names) - set(valid))
     if unknown:
-        named = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, valid, n=1)
-            named.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+        named = [repr(name) + did_you_mean(name, valid) for name in unknown]
         raise ValueError(f"unknown {cls.__name__} field(s) {', '.join(named)}; valid fields: {', '.join(valid)}.")
 
 
