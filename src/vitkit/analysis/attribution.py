@@ -43,6 +43,7 @@ from .saliency import (
     patch_maps,
     patch_pixels,
     patch_scores,
+    spatial_size,
 )
 
 LABELS = {
@@ -202,7 +203,7 @@ def perturbation_curves(
     images = vi._as_batch(images)
     if maps.shape[0] != images.shape[0]:
         raise ValueError(f"{maps.shape[0]} maps for {images.shape[0]} images: give one map per image.")
-    size = (int(images.shape[-2]), int(images.shape[-1]))
+    size = spatial_size(images)
     grid = patch_grid(model, size, patch)
     steps = _check_steps(steps, grid)
     explained = _targets(model, images, targets)[0]
@@ -282,7 +283,7 @@ def faithfulness(
     if orderings < 1:
         raise ValueError(f"orderings={orderings}: the random floor needs at least one random ordering.")
     chosen, skipped = applicable(model, methods)
-    size = (int(images.shape[-2]), int(images.shape[-1]))
+    size = spatial_size(images)
     grid = patch_grid(model, size, patch)
     steps = _check_steps(steps, grid)
     targets, probability = _targets(model, images, labels)

@@ -88,7 +88,8 @@ def patch_pixels(model: nn.Module, patch: int | None) -> int:
     return patch if patch is not None else int(_vit(model).config.patch_stride[0])
 
 
-def _size(images: torch.Tensor) -> tuple[int, int]:
+def spatial_size(images: torch.Tensor) -> tuple[int, int]:
+    """(H, W) of images (..., H, W)."""
     return int(images.shape[-2]), int(images.shape[-1])
 
 
@@ -141,7 +142,7 @@ def _parts(inp: _Inputs, size: int) -> list[_Inputs]:
 
 
 def _to_grid(inp: _Inputs, maps: torch.Tensor) -> torch.Tensor:
-    return patch_scores(maps, inp.grid, _size(inp.images))
+    return patch_scores(maps, inp.grid, spatial_size(inp.images))
 
 
 @torch.no_grad()
@@ -267,7 +268,7 @@ def patch_maps(
     integrated gradients start from `baselines` (B, C, H, W) and take `ig_steps` points; `patch` as `patch_grid`.
     The maps are computed an eighth of `batch_size` images at a time; `on_batch(n)` after each batch of `n`
     occlusion passes. `methods` must apply to the model (`applicable`)."""
-    grid = patch_grid(model, _size(images), patch)
+    grid = patch_grid(model, spatial_size(images), patch)
     inp = _Inputs(model, images, targets, baselines, grid, patch_pixels(model, patch), ig_steps, batch_size, on_batch)
     with evaluating(model):
         if any(m in GRADIENT_METHODS for m in methods):
