@@ -17,12 +17,14 @@ metrics.jsonl) and `StopRequest` (Ctrl-C / SIGTERM end the run after the current
 
 from __future__ import annotations
 
+import _thread
 import errno
 import fcntl
 import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -374,6 +376,11 @@ class MetricsWindow:
         return record
 
 
+def _deliver_sigint_again() -> None:
+    time.sleep(0.01)
+    _thread.interrupt_main(signal.SIGINT)
+
+
 class StopRequest:
     """Ctrl-C / SIGTERM during a run. Before its steps begin (start-up, data loading) the run stops at once, having
     saved nothing; once they run, it stops after the current step, with a checkpoint (`requested`); a second
@@ -385,6 +392,7 @@ class StopRequest:
         self.stepping = False  # the training steps have begun: a first signal waits for the current one
         self.notice = "stopping after the current step, with a checkpoint"
         self._previous: dict[int, Any] = {}
+        self._previous_hook: Any = None
         self._pid = os.getpid()
 
     def __enter__(self) -> StopRequest:
@@ -392,6 +400,7 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -407,6 +416,17 @@ class StopRequest:
         # os.write, not print: the handler may run inside a print to the same stream.
         os.write(2, f"\nvitkit: {self.notice}; {again} to stop at once, without saving\n".encode())
 
+    def _unraisable(self, unraisable: Any) -> None:
+        # A KeyboardInterrupt that the handler raises inside a finalizer or a weakref callback (torch.compile runs
+        # many) is printed and dropped by Python: the signal is delivered again, a moment later and from another
+        # thread, so that it lands in the main thread's next instructions rather than in this hook.
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and os.getpid() == self._pid:
+            _thread.start_new_thread(_deliver_sigint_again, ())  # not threading.Thread: its start() waits
+            return
+        self._previous_hook(unraisable)
+
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous_hook is not None:
+            sys.unraisablehook, self._previous_hook = self._previous_hook, None
