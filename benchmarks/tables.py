@@ -294,14 +294,18 @@ def folder_runs(records: list[dict]) -> str:
         defaults = runs["defaults"]
         images = sum(record["train_per_class"].values())
         seeds: dict[str, list[float]] = {}  # test top-1 of each run over its seeds
+        shown: dict[str, str] = {}  # a run kept from an earlier commit's defaults says so
         for name, run in runs.items():
-            seeds.setdefault(name.split(", seed ")[0], []).append(run["test_top1"])
+            base = name.split(", seed ")[0]
+            seeds.setdefault(base, []).append(run["test_top1"])
+            shown[base] = base + (" = the defaults before" if run.get("measured_as") else "")
         rows.append([
             f"{folder} ({record['kind']}; {images:,} training images)", machine,
             f"{baseline['accuracy']:.1%} {baseline['model']}", f"{record['target']:.1%}",
             f"**{score(defaults)}**, {minutes(defaults['wall_seconds'])}{spread(seeds['defaults'])}",
-            f"{score(runs[hand])}, {minutes(runs[hand]['wall_seconds'])} ({hand}{spread(seeds[hand])})",
-            ", ".join(f"{name} {top1[0]:.1%}" if len(top1) == 1 else f"{name} {min(top1):.1%}-{max(top1):.1%}"
+            f"{score(runs[hand])}, {minutes(runs[hand]['wall_seconds'])} ({shown[hand]}{spread(seeds[hand])})",
+            ", ".join(f"{shown[name]} {top1[0]:.1%}" if len(top1) == 1 else
+                      f"{shown[name]} {min(top1):.1%}-{max(top1):.1%}"
                       for name, top1 in seeds.items() if name not in ("defaults", hand)),
         ])  # fmt: skip
     head = ["folder", "machine", "best baseline", "target", "defaults", "best by hand (on val)", "other runs"]

@@ -349,6 +349,8 @@ def test_folder_runs_script_runs_the_defaults_and_the_hand_runs_in_a_tiny_mode_a
     renamed = json.loads((tmp_path / "results" / "folder-runs-mnist-5k.json").read_text())["runs"]
     assert list(renamed) == ["defaults", "no layer decay"]
     assert renamed["no layer decay"] == {**runs["defaults"], "commit": record["commit"], "measured_as": "defaults"}
+    (row,) = table_rows("folder-runs", out.parent)
+    assert "(no layer decay = the defaults before)" in row  # the only run by hand, so the best one
 
 
 def test_shard_formats_script_runs_in_a_tiny_mode_and_its_record_makes_the_formats_table(tmp_path):
