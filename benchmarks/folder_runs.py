@@ -46,6 +46,7 @@ HAND = {
     "fine-tune at 84 px": ["--image-size", "84"],
     "fine-tune at 112 px": ["--image-size", "112"],
     "layer decay 0.75": ["--layer-decay", "0.75"],
+    "layer decay 0.65": ["--layer-decay", "0.65"],
     "no layer decay": ["--layer-decay", "1"],
     "lr 0.003": ["--lr", "0.003"],
     "crop 50-100%": ["--crop-scale", "0.5", "1"],
