@@ -130,8 +130,8 @@ TRANSFER_EPOCHS = 50
 # scikit-learn's LogisticRegression counts it (its default).
 PROBE_C = 1.0
 # The transfer fine-tunes with layer-wise learning-rate decay (BEiT's, timm's): the blocks near the input, which hold
-# the most general features, move least. Chosen on val over three seeds on four folders, where it gained on three
-# (most where the folder was smallest) and lost a point on the digits (docs/OWN_IMAGES.md).
+# the most general features, move least. Chosen on val over three seeds on four folders: it gained val top-1 on two,
+# held level on one and lost a little on the digits, a point on average (docs/OWN_IMAGES.md).
 TRANSFER_LAYER_DECAY = 0.75
 TRANSFER_STEPS = (100, 500)
 SCRATCH_MIN_STEPS = 1000
