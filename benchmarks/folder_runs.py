@@ -175,6 +175,12 @@ def mean_val(runs: dict, label: str) -> float:
     return sum(values) / len(values)
 
 
+def kept_as(label: str) -> tuple[str, str]:
+    """A --keep label: (the run kept, the label it is kept as), "OLD=NEW" or a label kept as itself."""
+    old, _, new = label.partition("=")
+    return old, new or old
+
+
 def kept_runs(path: Path, labels: list[str]) -> dict:
     """The runs `labels` of the record at `path`, each with the commit it was measured at. "OLD=NEW" keeps run OLD
     as NEW, noting what it was measured as: the defaults of an earlier commit kept as the run by hand that gives
@@ -184,14 +190,14 @@ def kept_runs(path: Path, labels: list[str]) -> dict:
     if not path.is_file():
         raise SystemExit(f"--keep {' '.join(labels)}: no record at {path} to keep runs from")
     old = json.loads(path.read_text())
-    renamed = dict(label.partition("=")[::2] for label in labels)
+    renamed = dict(map(kept_as, labels))
     missing = [label for label in renamed if label not in old["runs"]]
     if missing:
         raise SystemExit(f"--keep: {path} has no run {', '.join(missing)} (it has: {', '.join(old['runs'])})")
     kept = {}
     for label, new in renamed.items():
         run = {"commit": old["commit"], **old["runs"][label]}
-        kept[new or label] = {**run, "measured_as": label} if new else run
+        kept[new] = {**run, "measured_as": label} if new != label else run
     return kept
 
 
@@ -215,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root)
     known = [*HAND, *BALANCED]
     unknown = [label for label in args.only or [] if label not in known]
-    kept_as = [label.split("=")[-1] for label in args.keep]
-    unknown += [label for label in kept_as if label.split(", seed ")[0] not in ["defaults", *known]]
+    unknown += [new for _, new in map(kept_as, args.keep) if new.split(", seed ")[0] not in ["defaults", *known]]
     if unknown:
         parser.error(f"no run by hand is called {', '.join(unknown)}: choose among {', '.join(known)}")
     if "{folder}" not in args.out:
