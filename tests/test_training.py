@@ -474,11 +474,11 @@ def test_a_small_folder_fine_tunes_the_installed_pretrained_vit_by_default_and_s
     assert main([*argv, "--out-dir", str(run)]) == 0
     out = capsys.readouterr().out
     assert "images 8x8 grayscale -> the checkpoint at 56 px; crop off" in out
-    assert f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe, layer decay 0.75: " in out
+    assert f"fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe, lr 0.03, layer decay 0.75: " in out
     assert "(--from-scratch for a new ViT)" in out
     recorded = json.loads((run / "config.json").read_text())["train"]
     assert (recorded["checkpoint"], recorded["image_size"], recorded["optimizer"]) == (TRANSFER_CHECKPOINT, 56, "sgd")
-    assert (recorded["head_init"], recorded["layer_decay"]) == ("probe", 0.75)
+    assert (recorded["head_init"], recorded["layer_decay"], recorded["lr"]) == ("probe", 0.75, 0.03)
     model = vitkit.load_checkpoint(run / "model.safetensors")
     assert (model.config.hidden_size, model.config.patch_size) == (384, (14, 14)) and model.normalization is None
 

@@ -41,6 +41,7 @@ from .recipes import (
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
     TRANSFER_LAYER_DECAY,
+    TRANSFER_LR,
     TRANSFER_MAX_IMAGES,
     TRANSFER_PACKAGE,
     TRANSFER_STEPS,
@@ -151,11 +152,12 @@ def choose_start(
 ) -> tuple[TrainConfig, Start]:
     """Where a run on the images `data.survey.survey` describes starts, and for how long, and the rule that chose.
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
-    `installed`) with `FINETUNE_DEFAULTS` for the fields left at their defaults, for `transfer_length` steps, the new
-    head from a linear probe unless `head_init` is given, with `TRANSFER_LAYER_DECAY` unless `layer_decay` is given;
-    other image folders train a new ViT for at least `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch`
-    given, a length given, or a dataset of its own (Fashion-MNIST, ...) keep the config as it is. The steps count
-    batches of `fit_batch` (a multiple of `multiple`) where the batch is not given."""
+    `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` for the fields left at their defaults, for
+    `transfer_length` steps, the new head from a linear probe unless `head_init` is given, with
+    `TRANSFER_LAYER_DECAY` unless `layer_decay` is given; other image folders train a new ViT for at least
+    `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a length given, or a dataset of its own
+    (Fashion-MNIST, ...) keep the config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`)
+    where the batch is not given."""
     images = survey["images"]
     if survey["own_size"] or config.checkpoint is not None:
         return config, Start("")
@@ -168,7 +170,8 @@ def choose_start(
     elif not installed(TRANSFER_CHECKPOINT):
         rule = "few"
     else:
-        changes = {k: v for k, v in FINETUNE_DEFAULTS.items() if getattr(config, k) == default_of(k)}
+        recipe = {**FINETUNE_DEFAULTS, "lr": TRANSFER_LR}
+        changes = {k: v for k, v in recipe.items() if getattr(config, k) == default_of(k)}
         steps = transfer_length(images, batch) if counted else config.steps
         head = config.head_init or "probe"
         decay = TRANSFER_LAYER_DECAY if config.layer_decay is None else config.layer_decay
@@ -333,6 +336,7 @@ def chosen_line(run: ResolvedRun) -> str:
             package=TRANSFER_PACKAGE,
             pretrained=TRANSFER_CHECKPOINT,
             how=(" from a linear probe" if config.head_init == "probe" else "")
+            + f", lr {config.lr:g}"
             + (f", layer decay {config.layer_decay:g}" if config.layer_decay not in (None, 1.0) else ""),
         )
         line += f"; {why}" + (f"; {config.steps} steps of {batch}" if run.start.counted else "")
