@@ -45,10 +45,11 @@ HAND = {
     "fine-tune at 56 px": ["--image-size", "56"],
     "fine-tune at 84 px": ["--image-size", "84"],
     "fine-tune at 112 px": ["--image-size", "112"],
-    "layer decay 0.75": ["--layer-decay", "0.75"],
     "layer decay 0.65": ["--layer-decay", "0.65"],
     "no layer decay": ["--layer-decay", "1"],
     "lr 0.003": ["--lr", "0.003"],
+    "lr 0.01": ["--lr", "0.01"],
+    "lr 0.03": ["--lr", "0.03"],
     "crop 50-100%": ["--crop-scale", "0.5", "1"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}

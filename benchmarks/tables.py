@@ -294,11 +294,11 @@ def folder_runs(records: list[dict]) -> str:
         defaults = runs["defaults"]
         images = sum(record["train_per_class"].values())
         seeds: dict[str, list[float]] = {}  # test top-1 of each run over its seeds
-        shown: dict[str, str] = {}  # a run kept from an earlier commit's defaults says so
+        shown: dict[str, str] = {}  # a run kept from an earlier commit's defaults names that commit
         for name, run in runs.items():
             base = name.split(", seed ")[0]
             seeds.setdefault(base, []).append(run["test_top1"])
-            shown[base] = base + (" = the defaults before" if run.get("measured_as") else "")
+            shown[base] = base + (f" = the defaults of {run['commit'][:7]}" if run.get("measured_as") else "")
         rows.append([
             f"{folder} ({record['kind']}; {images:,} training images)", machine,
             f"{baseline['accuracy']:.1%} {baseline['model']}", f"{record['target']:.1%}",
