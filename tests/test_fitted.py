@@ -190,6 +190,11 @@ def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length
     # an option given wins: the learning rate, the length, the model, --from-scratch, a checkpoint
     given = choose_start(folder.replace(lr=0.003, steps=50), image_survey((32, 32), images=932), lambda name: True)[0]
     assert given.lr == 0.003 and given.steps == 50 and given.optimizer == "sgd"
+    # ... even where it equals TrainConfig's default: the options typed are named in `given`
+    typed = {"optimizer", "label_smoothing", "epochs"}
+    given = choose_start(folder, image_survey((32, 32), images=932), lambda name: True, given=typed)[0]
+    assert (given.optimizer, given.label_smoothing, given.lr, given.momentum) == ("adamw", 0.1, TRANSFER_LR, 0.9)
+    assert given.steps is None and given.epochs == 20 and given.checkpoint == TRANSFER_CHECKPOINT
     for option in ({"from_scratch": True}, {"model": "ViT-Ti/8"}):
         config, line = start_and_line(folder.replace(**option), image_survey((32, 32), images=932), lambda name: True)
         assert config.checkpoint is None and config.steps == SCRATCH_MIN_STEPS

@@ -251,10 +251,17 @@ def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
     """Defaults (or a preset) < the --config file < the options given on the command line."""
     values = dict(preset)
     if args.config:
-        values.update(TrainConfig.from_file(args.config).to_dict())
+        values.update(counting(TrainConfig.fields_in_file(args.config)))
     fields = field_types()
     values.update(counting({name: getattr(args, name) for name in fields if hasattr(args, name)}))
     return TrainConfig.from_dict(values)
+
+
+def _given(args: argparse.Namespace) -> frozenset[str]:
+    """The fields the user set, on the command line or in the --config file, whatever their values: the recipe a
+    small image folder starts from leaves them as they are."""
+    names = {name for name in field_types() if hasattr(args, name)}
+    return frozenset(names | set(TrainConfig.fields_in_file(args.config) if args.config else ()))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -273,7 +280,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "finetune needs --checkpoint MODEL, the pre-trained weights to start from; to train from random "
                 "weights use `vitkit train` (add --optimizer sgd --lr 0.01 for the fine-tuning recipe)."
             )
-        result = train(config)
+        result = train(config, given=_given(args))
     return 130 if result.interrupted else 0
 
 

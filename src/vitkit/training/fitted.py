@@ -10,7 +10,7 @@ evidence, are recipe data in `vitkit.training.recipes`, whose TrainConfig help q
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,20 +148,29 @@ class Start:
 
 
 def choose_start(
-    config: TrainConfig, survey: dict[str, Any], installed: Callable[[str], bool], multiple: int = 1
+    config: TrainConfig,
+    survey: dict[str, Any],
+    installed: Callable[[str], bool],
+    multiple: int = 1,
+    given: Collection[str] = (),
 ) -> tuple[TrainConfig, Start]:
     """Where a run on the images `data.survey.survey` describes starts, and for how long, and the rule that chose.
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
-    `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` for the fields left at their defaults, for
+    `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` for the fields not given, for
     `transfer_length` steps, the new head from a linear probe unless `head_init` is given, with
     `TRANSFER_LAYER_DECAY` unless `layer_decay` is given; other image folders train a new ViT for at least
     `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a length given, or a dataset of its own
     (Fashion-MNIST, ...) keep the config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`)
-    where the batch is not given."""
+    where the batch is not given. A field counts as given where it is named in `given` (the options the user
+    typed, whatever their value) or differs from its default."""
     images = survey["images"]
     if survey["own_size"] or config.checkpoint is not None:
         return config, Start("")
-    counted = config.steps is None and config.epochs == default_of("epochs")
+
+    def is_given(name: str) -> bool:
+        return name in given or getattr(config, name) != default_of(name)
+
+    counted = config.steps is None and not is_given("epochs")
     batch = fit_batch(images, multiple) if config.batch_size is None else config.batch_size
     if config.from_scratch or config.model is not None:
         rule = "given"
@@ -171,7 +180,7 @@ def choose_start(
         rule = "few"
     else:
         recipe = {**FINETUNE_DEFAULTS, "lr": TRANSFER_LR}
-        changes = {k: v for k, v in recipe.items() if getattr(config, k) == default_of(k)}
+        changes = {k: v for k, v in recipe.items() if not is_given(k)}
         steps = transfer_length(images, batch) if counted else config.steps
         head = config.head_init or "probe"
         decay = TRANSFER_LAYER_DECAY if config.layer_decay is None else config.layer_decay
@@ -265,11 +274,14 @@ class ResolvedRun:
     base: Model | None = None  # the checkpoint, read once, at `config.image_size`; `training.initial_model` heads it
 
 
-def resolve(config: TrainConfig, dataset: LabelledDataset, multiple: int = 1) -> ResolvedRun:
+def resolve(
+    config: TrainConfig, dataset: LabelledDataset, multiple: int = 1, given: Collection[str] = ()
+) -> ResolvedRun:
     """A new run on the training split `dataset`, resolved once: its images surveyed, its start chosen, its checkpoint
-    read, every field left as None fitted. `multiple`: processes x accumulation steps, which the batch splits into."""
+    read, every field left as None fitted. `multiple`: processes x accumulation steps, which the batch splits into;
+    `given`: the fields the user set, which the start's recipe leaves as they are even at their defaults."""
     seen = survey(config.data, dataset, mirror=config.flip is None)  # the mirror test only where the flip is free
-    started, start = choose_start(config, seen, is_installed, multiple)
+    started, start = choose_start(config, seen, is_installed, multiple, given)
     base: Model | None = None
     architecture: ModelConfig | None = None
     if started.checkpoint is not None:

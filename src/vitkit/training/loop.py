@@ -18,7 +18,7 @@ import json
 import math
 import time
 import typing
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -131,10 +131,13 @@ def train(
     resume: str | Path | None = None,
     changes: dict | None = None,
     stop_after: int | None = None,
+    given: Collection[str] = (),
 ) -> TrainResult:
     """Run `config` (default: the main job), or continue the run saved in the directory `resume` with its own
     config, with `changes` to the fields `recipes.RESUMABLE` names (length, cadence); returns how it ended.
-    `stop_after` stops after that many steps in all, as an interruption would: a checkpoint is saved."""
+    `stop_after` stops after that many steps in all, as an interruption would: a checkpoint is saved. `given` names
+    the fields the user set: the recipe a small image folder starts from leaves them as they are even where they
+    equal TrainConfig's defaults (by default only the fields that differ from those count as set)."""
     if config is not None and resume is not None:
         raise ValueError(f"give a config or resume={str(resume)!r}, not both: a resumed run keeps its saved config.")
     if changes and resume is None:
@@ -149,13 +152,19 @@ def train(
         run_path = Path(config.out_dir) if config.out_dir else default_run_dir(name)
     with StopRequest() as stop:
         try:
-            return _start(config, run_path, resume, changes, stop_after, stop)
+            return _start(config, run_path, resume, changes, stop_after, stop, given)
         except KeyboardInterrupt:  # a signal before the steps began, or a second one
             raise KeyboardInterrupt(stopped_at_once(run_path)) from None
 
 
 def _start(
-    config: TrainConfig, run_path: Path, resume, changes: dict | None, stop_after: int | None, stop: StopRequest
+    config: TrainConfig,
+    run_path: Path,
+    resume,
+    changes: dict | None,
+    stop_after: int | None,
+    stop: StopRequest,
+    given: Collection[str] = (),
 ) -> TrainResult:
     """Lock the run directory for the run's life (the main process), claim it (or read the checkpoint to resume),
     then run the session on its processes."""
@@ -176,19 +185,25 @@ def _start(
         if config.threads:
             torch.set_num_threads(config.threads)
         try:
-            return _train_session(config, world, run_path, saved, stop_after, stop)
+            return _train_session(config, world, run_path, saved, stop_after, stop, given)
         finally:
             torch.set_num_threads(threads)
             close_world(world)
 
 
 def _train_session(
-    config: TrainConfig, world: World, run_path: Path, saved: dict | None, stop_after: int | None, stop: StopRequest
+    config: TrainConfig,
+    world: World,
+    run_path: Path,
+    saved: dict | None,
+    stop_after: int | None,
+    stop: StopRequest,
+    given: Collection[str] = (),
 ) -> TrainResult:
     """The recipe: set up, restore (or start), one `train_step` after another with metrics, evaluations and
     checkpoints at their intervals, then finish."""
     started = time.perf_counter()
-    state, (train_set, val_set, test_set) = set_up(config, world, run_path, saved)
+    state, (train_set, val_set, test_set) = set_up(config, world, run_path, saved, given)
     state.session_start = started
     val, interrupted = run_steps(state, train_set, val_set, stop, stop_after)
     stop.notice = "finishing: the model and the plots are being written"
@@ -198,11 +213,11 @@ def _train_session(
     return finish(state, (val, test), interrupted, started, (train_set, val_set, test_set))
 
 
-def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None):
+def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None, given: Collection[str] = ()):
     """The data, the model (new, fitted to the data, or restored), its optimiser and the run directory, as one
     `TrainState`; a new run's `config.json` records what was chosen."""
     config = config.replace(precision=resolve_precision(config.precision, world.device))  # "auto" -> fp32 or bf16
-    given = config
+    asked = config
     if saved is None:  # the main job trains on all its training images; config.json records it
         config = main_job_data(config)
     if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
@@ -215,10 +230,10 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
             "more. Put each class's images in a folder of its own, FOLDER/<class>/<image>."
         )
     if saved is None:  # what config.json records: the start, model, resolution, augmentation, batch and length
-        resolved = resolve(config, train_set, world.size * config.accumulation_steps)
+        resolved = resolve(config, train_set, world.size * config.accumulation_steps, given)
         config = resolved.config
         if world.is_main:
-            whole = config.data_args != given.data_args
+            whole = config.data_args != asked.data_args
             note = f"; all {len(train_set):,} training images, no val: the recipe was chosen on val" if whole else ""
             print(chosen_line(resolved) + note, flush=True)
         model = initial_model(resolved, train_set, world.device)

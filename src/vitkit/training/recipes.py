@@ -384,6 +384,12 @@ class TrainConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
         """Read a YAML (.yaml, .yml) or JSON file of TrainConfig fields."""
+        return cls.from_dict(cls.fields_in_file(path))
+
+    @classmethod
+    def fields_in_file(cls, path: str | Path) -> dict[str, Any]:
+        """The fields a YAML (.yaml, .yml) or JSON file sets, checked by name; the others keep their defaults (or
+        a command's preset)."""
         text = Path(path).read_text()
         if Path(path).suffix.lower() in (".yaml", ".yml"):
             try:
@@ -395,7 +401,10 @@ class TrainConfig:
             data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}.")
-        return cls.from_dict(data)
+        if "train" in data:  # the name of `trainable` in runs and files of vitkit 0.1
+            data = {("trainable" if k == "train" else k): v for k, v in data.items()}
+        check_fields(cls, data)
+        return data
 
 
 def field_types() -> dict[str, Any]:
@@ -411,7 +420,7 @@ def field_help(name: str) -> tuple[str, tuple[str, ...] | None]:
 
 
 def default_of(name: str) -> Any:
-    """A TrainConfig field's default: a field at its default counts as not given."""
+    """A TrainConfig field's default: from Python, a field at its default counts as not given (`train`'s `given`)."""
     return getattr(TrainConfig(), name)
 
 
