@@ -245,17 +245,20 @@ def recipe_on_val(records: list[dict]) -> str:
         low, high = min(values), max(values)
         return f"{low:.2f}%" if low == high else f"{low:.2f}-{high:.2f}%"
 
+    def order(record: dict) -> tuple:  # by machine, the recipe first, then each change as it was measured
+        return (label(record["machine"]), bool(record.get("options")), record.get("date") or "")
+
     rows = []
-    for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
-        runs = record.get("rows", [])
-        if record.get("benchmark") == "main-job" and runs and runs[0].get("val_images"):
-            change = " ".join(record.get("options", [])) or "none: the recipe"
-            wall = sorted(row["wall_s"] for row in runs)
-            rows.append([
-                f"`{change}`" if record.get("options") else change, label(record["machine"]), str(len(runs)),
-                span([row["val_top1"] for row in runs]), span([row["top1"] for row in runs]),
-                minutes(wall[0]) + ("" if len(wall) == 1 else f" to {minutes(wall[-1])}"),
-            ])  # fmt: skip
+    measured = [r for r in records if r.get("benchmark") == "main-job" and r.get("rows", [{}])[0].get("val_images")]
+    for record in sorted(measured, key=order):
+        runs = record["rows"]
+        change = " ".join(record.get("options", [])) or "none: the recipe"
+        wall = sorted(row["wall_s"] for row in runs)
+        rows.append([
+            f"`{change}`" if record.get("options") else change, label(record["machine"]), str(len(runs)),
+            span([row["val_top1"] for row in runs]), span([row["top1"] for row in runs]),
+            minutes(wall[0]) + ("" if len(wall) == 1 else f" to {minutes(wall[-1])}"),
+        ])  # fmt: skip
     return markdown(["change", "machine", "seeds", "val top-1", "test top-1", "wall time"], rows, right=4)
 
 
