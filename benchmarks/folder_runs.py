@@ -52,7 +52,7 @@ HAND = {
     "lr 0.03": ["--lr", "0.03"],
     "crop 50-100%": ["--crop-scale", "0.5", "1"],
     "drop path 0.1": ["--model-args", "drop_path_rate=0.1"],
-    "label smoothing 0.1": ["--label-smoothing", "0.1"],
+    "no label smoothing": ["--label-smoothing", "0"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}
 IMBALANCED = 2.0  # the largest class over the smallest, in training images, from which the balanced loss is tried

@@ -24,6 +24,7 @@ from vitkit.training.recipes import (
     SCRATCH_MIN_STEPS,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
+    TRANSFER_LABEL_SMOOTHING,
     TRANSFER_LAYER_DECAY,
     TRANSFER_LR,
     TRANSFER_MAX_IMAGES,
@@ -171,6 +172,7 @@ def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length
     config, line = start_and_line(folder, image_survey((32, 32), images=932), lambda name: True)
     assert config.checkpoint == TRANSFER_CHECKPOINT and config.optimizer == "sgd"
     assert config.lr == TRANSFER_LR == 0.03  # the top of the paper's grid, under layer decay
+    assert config.label_smoothing == TRANSFER_LABEL_SMOOTHING == 0.1 and config.weight_decay == 0.0
     assert config.steps == transfer_length(932, 128) == round(TRANSFER_EPOCHS * 932 / 128)  # 364: 50 epochs
     assert config.head_init == "probe"  # LP-FT: linear probe, then fine-tune
     assert config.layer_decay == TRANSFER_LAYER_DECAY == 0.75
@@ -191,9 +193,9 @@ def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length
     given = choose_start(folder.replace(lr=0.003, steps=50), image_survey((32, 32), images=932), lambda name: True)[0]
     assert given.lr == 0.003 and given.steps == 50 and given.optimizer == "sgd"
     # ... even where it equals TrainConfig's default: the options typed are named in `given`
-    typed = {"optimizer", "label_smoothing", "epochs"}
+    typed = {"optimizer", "weight_decay", "epochs"}
     given = choose_start(folder, image_survey((32, 32), images=932), lambda name: True, given=typed)[0]
-    assert (given.optimizer, given.label_smoothing, given.lr, given.momentum) == ("adamw", 0.1, TRANSFER_LR, 0.9)
+    assert (given.optimizer, given.weight_decay, given.lr, given.momentum) == ("adamw", 0.1, TRANSFER_LR, 0.9)
     assert given.steps is None and given.epochs == 20 and given.checkpoint == TRANSFER_CHECKPOINT
     for option in ({"from_scratch": True}, {"model": "ViT-Ti/8"}):
         config, line = start_and_line(folder.replace(**option), image_survey((32, 32), images=932), lambda name: True)

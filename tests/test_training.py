@@ -479,13 +479,14 @@ def test_a_small_folder_fine_tunes_the_installed_pretrained_vit_by_default_and_s
     recorded = json.loads((run / "config.json").read_text())["train"]
     assert (recorded["checkpoint"], recorded["image_size"], recorded["optimizer"]) == (TRANSFER_CHECKPOINT, 56, "sgd")
     assert (recorded["head_init"], recorded["layer_decay"], recorded["lr"]) == ("probe", 0.75, 0.03)
+    assert (recorded["label_smoothing"], recorded["weight_decay"]) == (0.1, 0.0)
     model = vitkit.load_checkpoint(run / "model.safetensors")
     assert (model.config.hidden_size, model.config.patch_size) == (384, (14, 14)) and model.normalization is None
     # options typed at `vitkit train`'s own defaults keep them: the fine-tuning recipe fills in the others
-    typed = ["--optimizer", "adamw", "--label-smoothing", "0.1", "--out-dir", str(tmp_path / "typed")]
+    typed = ["--optimizer", "adamw", "--weight-decay", "0.1", "--out-dir", str(tmp_path / "typed")]
     assert main([*argv, *typed]) == 0
     recorded = json.loads((tmp_path / "typed" / "config.json").read_text())["train"]
-    assert (recorded["optimizer"], recorded["label_smoothing"], recorded["weight_decay"]) == ("adamw", 0.1, 0.0)
+    assert (recorded["optimizer"], recorded["weight_decay"], recorded["lr"]) == ("adamw", 0.1, 0.03)
 
 
 def test_the_balanced_loss_weighs_classes_as_scikit_learns_balanced_class_weight():

@@ -40,6 +40,7 @@ from .recipes import (
     SMALL_TARGET,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
+    TRANSFER_LABEL_SMOOTHING,
     TRANSFER_LAYER_DECAY,
     TRANSFER_LR,
     TRANSFER_MAX_IMAGES,
@@ -156,7 +157,7 @@ def choose_start(
 ) -> tuple[TrainConfig, Start]:
     """Where a run on the images `data.survey.survey` describes starts, and for how long, and the rule that chose.
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
-    `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` for the fields not given, for
+    `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` and `TRANSFER_LABEL_SMOOTHING` for the fields not given, for
     `transfer_length` steps, the new head from a linear probe unless `head_init` is given, with
     `TRANSFER_LAYER_DECAY` unless `layer_decay` is given; other image folders train a new ViT for at least
     `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a length given, or a dataset of its own
@@ -179,7 +180,7 @@ def choose_start(
     elif not installed(TRANSFER_CHECKPOINT):
         rule = "few"
     else:
-        recipe = {**FINETUNE_DEFAULTS, "lr": TRANSFER_LR}
+        recipe = {**FINETUNE_DEFAULTS, "lr": TRANSFER_LR, "label_smoothing": TRANSFER_LABEL_SMOOTHING}
         changes = {k: v for k, v in recipe.items() if not is_given(k)}
         steps = transfer_length(images, batch) if counted else config.steps
         head = config.head_init or "probe"
