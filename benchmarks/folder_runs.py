@@ -49,7 +49,6 @@ HAND = {
     "no layer decay": ["--layer-decay", "1"],
     "lr 0.003": ["--lr", "0.003"],
     "lr 0.01": ["--lr", "0.01"],
-    "lr 0.03": ["--lr", "0.03"],
     "crop 50-100%": ["--crop-scale", "0.5", "1"],
     "drop path 0.1": ["--model-args", "drop_path_rate=0.1"],
     "no label smoothing": ["--label-smoothing", "0"],
