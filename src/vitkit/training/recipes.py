@@ -137,7 +137,7 @@ TRANSFER_LAYER_DECAY = 0.75
 # under layer decay every block below the top learns at a fraction of it. Chosen on val over three seeds on four
 # folders: it gained val top-1 on three and lost a little on the clip art (docs/OWN_IMAGES.md).
 TRANSFER_LR = 0.03
-# Its label smoothing, as `vitkit train`'s and timm's fine-tuning, where `FINETUNE_DEFAULTS` has the paper's none: a
+# Its label smoothing, as in `vitkit train` and timm's fine-tuning, where `FINETUNE_DEFAULTS` has the paper's none: a
 # few hundred images are fitted, confidently, within the first epochs. Chosen on val over three seeds on four folders:
 # it gained val top-1 on three and lost one image of 16 on the photographs, 0.75 points on average (docs/OWN_IMAGES.md).
 TRANSFER_LABEL_SMOOTHING = 0.1
