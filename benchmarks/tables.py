@@ -249,7 +249,7 @@ def recipe_on_val(records: list[dict]) -> str:
         return (label(record["machine"]), bool(record.get("options")), record.get("date") or "")
 
     rows = []
-    measured = [r for r in records if r.get("benchmark") == "main-job" and r.get("rows", [{}])[0].get("val_images")]
+    measured = [r for r in records if r.get("benchmark") == "main-job" and (r.get("rows") or [{}])[0].get("val_images")]
     for record in sorted(measured, key=order):
         runs = record["rows"]
         change = " ".join(record.get("options", [])) or "none: the recipe"

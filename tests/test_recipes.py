@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import tiny
-from vitkit.cli.commands import _given, _train_config
+from vitkit.cli.commands import _config_and_given, _train_config
 from vitkit.cli.parser import build_parser
 from vitkit.training.recipes import (
     FINETUNE_DEFAULTS,
@@ -141,7 +141,7 @@ def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_pa
     assert (finetune.optimizer, finetune.steps, finetune.batch_size, finetune.schedule) == ("sgd", 500, 64, "cosine")
     # the fields typed or in the file count as given whatever their values (the transfer's recipe keeps them)
     args = build_parser().parse_args(["train", "--config", str(tmp_path / "c.json"), "--label-smoothing", "0.1"])
-    assert _given(args) == {"batch_size", "schedule", "label_smoothing"}
+    assert _config_and_given(args, {})[1] == {"batch_size", "schedule", "label_smoothing"}
 
 
 def test_finetune_runs_the_papers_500_steps_unless_epochs_or_steps_are_given():

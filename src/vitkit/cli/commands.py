@@ -249,19 +249,18 @@ def _bench_compare(args: argparse.Namespace, subject: str | VisionTransformer) -
 
 def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
     """Defaults (or a preset) < the --config file < the options given on the command line."""
-    values = dict(preset)
-    if args.config:
-        values.update(counting(TrainConfig.fields_in_file(args.config)))
-    fields = field_types()
-    values.update(counting({name: getattr(args, name) for name in fields if hasattr(args, name)}))
-    return TrainConfig.from_dict(values)
+    return _config_and_given(args, preset)[0]
 
 
-def _given(args: argparse.Namespace) -> frozenset[str]:
-    """The fields the user set, on the command line or in the --config file, whatever their values: the recipe a
-    small image folder starts from leaves them as they are."""
-    names = {name for name in field_types() if hasattr(args, name)}
-    return frozenset(names | set(TrainConfig.fields_in_file(args.config) if args.config else ()))
+def _config_and_given(args: argparse.Namespace, preset: dict) -> tuple[TrainConfig, frozenset[str]]:
+    """The config (defaults or a preset < the --config file < the options on the command line), and the fields the
+    user set in the file or on the command line, whatever their values: the recipe a small image folder starts from
+    leaves them as they are."""
+    in_file = TrainConfig.fields_in_file(args.config) if args.config else {}
+    typed = {name: getattr(args, name) for name in field_types() if hasattr(args, name)}
+    values = {**preset, **counting(in_file)}
+    values.update(counting(typed))
+    return TrainConfig.from_dict(values), frozenset(in_file) | frozenset(typed)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -274,13 +273,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--config {args.config} with --resume: a resumed run keeps its saved config.")
         result = train(resume=args.resume, changes=changes)
     else:
-        config = _train_config(args, FINETUNE_DEFAULTS if args.command == "finetune" else {})
+        config, given = _config_and_given(args, FINETUNE_DEFAULTS if args.command == "finetune" else {})
         if args.command == "finetune" and config.checkpoint is None:
             raise ValueError(
                 "finetune needs --checkpoint MODEL, the pre-trained weights to start from; to train from random "
                 "weights use `vitkit train` (add --optimizer sgd --lr 0.01 for the fine-tuning recipe)."
             )
-        result = train(config, given=_given(args))
+        result = train(config, given=given)
     return 130 if result.interrupted else 0
 
 

@@ -384,10 +384,15 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        return cls(**cls.checked_fields(data))
+
+    @classmethod
+    def checked_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """`data` with the fields' current names, each checked (a ValueError names an unknown one)."""
         if "train" in data:  # the name of `trainable` in runs and files of vitkit 0.1
             data = {("trainable" if k == "train" else k): v for k, v in data.items()}
         check_fields(cls, data)
-        return cls(**data)
+        return data
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -409,10 +414,7 @@ class TrainConfig:
             data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}.")
-        if "train" in data:  # the name of `trainable` in runs and files of vitkit 0.1
-            data = {("trainable" if k == "train" else k): v for k, v in data.items()}
-        check_fields(cls, data)
-        return data
+        return cls.checked_fields(data)
 
 
 def field_types() -> dict[str, Any]:
