@@ -240,14 +240,22 @@ def recipe(records: list[dict]) -> str:
 def recipe_on_val(records: list[dict]) -> str:
     """`benchmarks/main_job.py --val-fraction`: the main job with val held out of its training images, as it is and
     with one change to the recipe (`--options`), over seeds: val top-1 (where a change is chosen), test top-1, time,
-    and a change's mean val and test top-1 less the recipe's on the same machine."""
+    and a change's mean val and test top-1 less the recipe's on the same machine and seeds."""
 
     def span(values: list[float]) -> str:
         low, high = min(values), max(values)
         return f"{low:.2f}%" if low == high else f"{low:.2f}-{high:.2f}%"
 
-    def mean(record: dict, key: str) -> float:
-        return sum(row[key] for row in record["rows"]) / len(record["rows"])
+    def gain(record: dict, base: dict) -> str:  # mean val and test less the recipe's, over the seeds both ran
+        seeds = {row["seed"] for row in record["rows"]} & {row["seed"] for row in base["rows"]}
+        if not seeds:
+            return "-"
+
+        def mean(of: dict, key: str) -> float:
+            return sum(row[key] for row in of["rows"] if row["seed"] in seeds) / len(seeds)
+
+        val, test = (round(mean(record, key) - mean(base, key), 2) + 0.0 for key in ("val_top1", "top1"))
+        return f"{val:+.2f} / {test:+.2f}"
 
     def order(record: dict) -> tuple:  # by machine, the recipe first, then each change as it was measured
         return (label(record["machine"]), bool(record.get("options")), record.get("date") or "")
@@ -260,13 +268,10 @@ def recipe_on_val(records: list[dict]) -> str:
         change = " ".join(record.get("options", [])) or "none: the recipe"
         wall = sorted(row["wall_s"] for row in runs)
         base = recipes.get(label(record["machine"]))
-        gain = "-"
-        if record.get("options") and base:
-            val, test = (mean(record, key) - mean(base, key) for key in ("val_top1", "top1"))
-            gain = f"{val:+.2f} / {test:+.2f}"
+        against = gain(record, base) if record.get("options") and base else "-"
         rows.append([
             f"`{change}`" if record.get("options") else change, label(record["machine"]), str(len(runs)),
-            span([row["val_top1"] for row in runs]), span([row["top1"] for row in runs]), gain,
+            span([row["val_top1"] for row in runs]), span([row["top1"] for row in runs]), against,
             minutes(wall[0]) + ("" if len(wall) == 1 else f" to {minutes(wall[-1])}"),
         ])  # fmt: skip
     header = ["change", "machine", "seeds", "val top-1", "test top-1", "mean val / test less the recipe's", "wall time"]

@@ -405,6 +405,10 @@ def test_main_job_script_runs_each_seed_from_a_cold_cache_and_makes_the_main_job
     assert len(table_rows("main-job", out.parent)) == 1
     on_val = table_rows("recipe-on-val", out.parent)  # the tiny runs hold val out: both are in the table on val
     assert len(on_val) == 2 and sum(row.startswith("| `--lr 0.01` |") for row in on_val) == 1
+    (lr_row,) = [row for row in on_val if row.startswith("| `--lr 0.01` |")]
+    (lr_run,) = changed["rows"]
+    val, test = (round(lr_run[key] - rows[0][key], 2) + 0.0 for key in ("val_top1", "top1"))
+    assert lr_row.strip("|").split(" | ")[5] == f"{val:+.2f} / {test:+.2f}"  # less the recipe's, on the seed both ran
 
 
 @pytest.mark.slow
