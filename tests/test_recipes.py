@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import tiny
-from vitkit.cli.commands import _config_and_given, _train_config
+from vitkit.cli.commands import _config_and_given
 from vitkit.cli.parser import build_parser
 from vitkit.training.recipes import (
     FINETUNE_DEFAULTS,
@@ -127,17 +127,17 @@ def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_pa
         ["train", "--config", str(tmp_path / "c.yaml"), "--epochs", "5", "--flip", "false",
          "--model-args", "hidden_size=48,num_heads=4", "--betas", "0.9", "0.95"]
     )  # fmt: skip
-    config = _train_config(args, {})
+    config, _ = _config_and_given(args, {})
     assert (config.lr, config.epochs, config.flip, config.betas) == (0.002, 5.0, False, (0.9, 0.95))
     assert config.model_args == {"hidden_size": 48, "num_heads": 4}
-    finetune = _train_config(
+    finetune, _ = _config_and_given(
         build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", "--lr", "0.03"]), FINETUNE_DEFAULTS
     )
     assert (finetune.optimizer, finetune.weight_decay, finetune.lr, finetune.model_args) == ("sgd", 0.0, 0.03, {})
     assert finetune.trainable == "full"
     # a --config file sets its own fields over the preset, not every field back to train's defaults
     args = build_parser().parse_args(["finetune", "--checkpoint", "m", "--config", str(tmp_path / "c.json")])
-    finetune = _train_config(args, FINETUNE_DEFAULTS)
+    finetune, _ = _config_and_given(args, FINETUNE_DEFAULTS)
     assert (finetune.optimizer, finetune.steps, finetune.batch_size, finetune.schedule) == ("sgd", 500, 64, "cosine")
     # the fields typed or in the file count as given whatever their values (the transfer's recipe keeps them)
     args = build_parser().parse_args(["train", "--config", str(tmp_path / "c.json"), "--label-smoothing", "0.1"])
@@ -147,7 +147,7 @@ def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_pa
 def test_finetune_runs_the_papers_500_steps_unless_epochs_or_steps_are_given():
     def finetune(*options: str) -> TrainConfig:
         args = build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", *options])
-        return _train_config(args, FINETUNE_DEFAULTS)
+        return _config_and_given(args, FINETUNE_DEFAULTS)[0]
 
     assert (finetune().steps, finetune("--epochs", "10").steps, finetune("--epochs", "10").epochs) == (500, None, 10)
     assert finetune("--steps", "80").steps == 80 and finetune("--steps", "80", "--epochs", "2").steps == 80
@@ -156,7 +156,7 @@ def test_finetune_runs_the_papers_500_steps_unless_epochs_or_steps_are_given():
     )
     for flag in ("--trainable", "--train"):  # --train: the option's older spelling, still accepted
         args = build_parser().parse_args(["finetune", "--checkpoint", "m.safetensors", flag, "head"])
-        assert _train_config(args, FINETUNE_DEFAULTS).trainable == "head"
+        assert _config_and_given(args, FINETUNE_DEFAULTS)[0].trainable == "head"
 
 
 def test_train_config_errors_name_the_bad_value():

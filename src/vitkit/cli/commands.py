@@ -247,19 +247,13 @@ def _bench_compare(args: argparse.Namespace, subject: str | VisionTransformer) -
     return 0
 
 
-def _train_config(args: argparse.Namespace, preset: dict) -> TrainConfig:
-    """Defaults (or a preset) < the --config file < the options given on the command line."""
-    return _config_and_given(args, preset)[0]
-
-
 def _config_and_given(args: argparse.Namespace, preset: dict) -> tuple[TrainConfig, frozenset[str]]:
     """The config (defaults or a preset < the --config file < the options on the command line), and the fields the
     user set in the file or on the command line, whatever their values: the recipe a small image folder starts from
     leaves them as they are."""
     in_file = TrainConfig.fields_in_file(args.config) if args.config else {}
     typed = {name: getattr(args, name) for name in field_types() if hasattr(args, name)}
-    values = {**preset, **counting(in_file)}
-    values.update(counting(typed))
+    values = {**preset, **counting(in_file), **counting(typed)}
     return TrainConfig.from_dict(values), frozenset(in_file) | frozenset(typed)
 
 
