@@ -88,6 +88,40 @@ def test_forward_computes_the_last_layer_for_the_class_token_alone_with_the_same
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_patch_dropout_trains_on_a_random_share_of_each_images_patches_and_evaluates_on_all(classifier):
+    """In training each image keeps int(16 * 0.75) = 12 of its 16 patch tokens, a different set per image, each kept
+    token exactly as z_0 has it (position embedding added) and the class token first; in evaluation the model is the
+    one without patch dropout."""
+    model = perturbed(tiny(classifier=classifier, patch_dropout=0.25))
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        full = model.embed(x)  # eval mode: every token
+        dropped = model.train().embed(x)
+    prefix = int(classifier == "token")
+    assert full.shape[1] == 16 + prefix and dropped.shape[1] == 12 + prefix
+    kept = []
+    for image in range(4):
+        rows = [int((full[image] == row).all(-1).nonzero()) for row in dropped[image]]  # where each kept token was
+        assert rows[:prefix] == [0] * prefix and len(set(rows)) == len(rows)
+        kept.append(frozenset(rows[prefix:]))
+    assert len(set(kept)) > 1, "every image kept the same patches"
+    plain = tiny(classifier=classifier)
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), plain(x))
+    loss = torch.nn.functional.cross_entropy(model.train()(x), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_patch_dropout_is_refused_with_relative_posemb():
+    with pytest.raises(ValueError, match="patch_dropout.*relative.*added position embedding"):
+        tiny(posemb="relative", patch_dropout=0.5)
+    with pytest.raises(ValueError, match=r"patch_dropout=1.0 must be in \[0, 1\)"):
+        tiny(patch_dropout=1.0)
+
+
 def test_forward_intermediates_names_and_shapes():
     model = tiny().eval()
     x = torch.randn(2, 3, 32, 32)

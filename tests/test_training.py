@@ -32,8 +32,9 @@ from vitkit.training.runs import read_checkpoint, read_metrics
 
 @pytest.mark.slow
 def test_interrupted_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
-    # Accumulation, stochastic depth (global RNG) and crops/flips (per-step draws) all have to be restored.
-    spec = dict(accumulation_steps=2, model_args={**TINY, "drop_path_rate": 0.2})
+    # Accumulation, stochastic depth and patch dropout (global RNG) and crops/flips (per-step draws) all have to be
+    # restored.
+    spec = dict(accumulation_steps=2, model_args={**TINY, "drop_path_rate": 0.2, "patch_dropout": 0.25})
     whole = train(shapes_config(tmp_path / "whole", **spec))
     assert not whole.interrupted and whole.step == 10
     stopped = train(shapes_config(tmp_path / "split", **spec), stop_after=4)

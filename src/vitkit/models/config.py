@@ -117,6 +117,7 @@ class ViTConfig:
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     drop_path_rate: float = 0.0
+    patch_dropout: float = 0.0  # in training, the share of each image's patch tokens left out (timm: patch_drop_rate)
     layer_scale_init: float | None = None
     act: str = "gelu"
     layer_norm_eps: float = 1e-6
@@ -154,9 +155,14 @@ class ViTConfig:
                 f"posemb={self.posemb!r} splits hidden_size={self.hidden_size} between rows and columns: "
                 f"use a hidden_size divisible by {2 if self.posemb == 'learn2d' else 4}."
             )
-        for rate in ("dropout_rate", "attention_dropout_rate", "drop_path_rate"):
+        for rate in ("dropout_rate", "attention_dropout_rate", "drop_path_rate", "patch_dropout"):
             if not 0.0 <= getattr(self, rate) < 1.0:
                 raise ValueError(f"{rate}={getattr(self, rate)} must be in [0, 1).")
+        if self.patch_dropout and self.posemb == "relative":
+            raise ValueError(
+                "patch_dropout leaves tokens out, and posemb='relative' biases attention between every pair of grid "
+                "positions: use patch_dropout=0 with it, or an added position embedding (learn, learn2d, sincos2d)."
+            )
         if self.representation_size is not None and self.representation_size < 1:
             raise ValueError(f"representation_size={self.representation_size}: use None (no pre-logits) or >= 1.")
         stride = self.patch_stride

@@ -384,7 +384,19 @@ class VisionTransformer(nn.Module):
             out["embedding"] = x.unflatten(1, self.config.grid_size)  # (B, gh, gw, D); the input size was checked
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, N+1, D)
-        return self.dropout(self.posemb(x))
+        x = self.dropout(self.posemb(x))
+        return self.drop_patches(x) if self.training and self.config.patch_dropout else x
+
+    def drop_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch dropout (Liu et al., 2022): each image keeps a random `1 - patch_dropout` of its patch tokens, and
+        its class token. After the position embedding, so that a kept token still says where it was. Each step
+        computes fewer tokens, and the model learns to classify from part of the image; evaluation keeps all."""
+        prefix = 0 if self.cls_token is None else 1
+        n = x.shape[1] - prefix
+        keep = max(1, int(n * (1.0 - self.config.patch_dropout)))
+        kept = torch.rand(x.shape[0], n, device=x.device).argsort(dim=1)[:, :keep] + prefix  # (B, keep)
+        patches = x.gather(1, kept.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return torch.cat([x[:, :prefix], patches], dim=1)  # (B, prefix + keep, D)
 
     def patch_embed(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> x_p E (B, gh*gw, D): every P x P patch projected by E, a convolution whose stride is its
