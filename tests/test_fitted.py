@@ -20,6 +20,7 @@ from vitkit.training.fitted import (
     transfer_length,
 )
 from vitkit.training.recipes import (
+    MAIN_JOB_EPOCHS,
     MIRROR_FLIP,
     SCRATCH_MIN_STEPS,
     TRANSFER_CHECKPOINT,
@@ -196,7 +197,7 @@ def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length
     typed = {"optimizer", "weight_decay", "epochs"}
     given = choose_start(folder, image_survey((32, 32), images=932), lambda name: True, given=typed)[0]
     assert (given.optimizer, given.weight_decay, given.lr, given.momentum) == ("adamw", 0.1, TRANSFER_LR, 0.9)
-    assert given.steps is None and given.epochs == 20 and given.checkpoint == TRANSFER_CHECKPOINT
+    assert given.steps is None and given.epochs == MAIN_JOB_EPOCHS and given.checkpoint == TRANSFER_CHECKPOINT
     for option in ({"from_scratch": True}, {"model": "ViT-Ti/8"}):
         config, line = start_and_line(folder.replace(**option), image_survey((32, 32), images=932), lambda name: True)
         assert config.checkpoint is None and config.steps == SCRATCH_MIN_STEPS
