@@ -11,7 +11,8 @@ vitkit's kernels installed (`kernels.install`, as `vitkit train` does):
 - "compiled, SDPA": `torch.compile` with attention left to `vitkit.speed.kernels.attend_sdpa`, the SDPA kernel (in fp32
   when the step is bf16, as eager training on a CPU does);
 - "compiled, written out": `torch.compile` with `vitkit.speed.kernels.attend_explicit`, what `vitkit train --compile`
-  runs on a CPU.
+  runs on a CPU;
+- "compiled, every patch": the same without patch dropout (`patch_dropout=0`), every patch token in every step.
 Interleaved rounds, medians, ratios to the first; the CPU and its bf16 support are printed with them.
 """
 
@@ -42,9 +43,9 @@ def sdpa(q, k, v, bias, dropout_p):
     return kernels.attend_sdpa(q, k, v, bias, dropout_p), None
 
 
-def step_runner(args, precision: str, compiled: bool, fused: bool, attention, installed: bool = True):
+def step_runner(args, precision: str, compiled: bool, fused: bool, attention, installed: bool = True, **changes):
     model = new_model(args.model, **{**MAIN_JOB_MODEL_ARGS, "num_classes": 10, "in_chans": 1, "image_size": 28,
-                                     **args.model_args})  # fmt: skip
+                                     **args.model_args, **changes})  # fmt: skip
     if installed:
         kernels.install(model)
     net = torch.compile(model) if compiled else model
@@ -93,6 +94,7 @@ def main() -> None:
             "eager, fused Adam": step_runner(args, precision, False, True, WRITTEN_OUT),
             "compiled, SDPA": step_runner(args, precision, True, True, sdpa),
             "compiled, written out": step_runner(args, precision, True, True, WRITTEN_OUT),
+            "compiled, every patch": step_runner(args, precision, True, True, WRITTEN_OUT, patch_dropout=0.0),
         }
         for name, run in runs.items():
             started = time.perf_counter()

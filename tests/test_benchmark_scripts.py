@@ -424,7 +424,7 @@ def test_threads_under_load_script_times_two_runs_at_once_and_one_alone_in_a_tin
 
 
 @pytest.mark.slow
-def test_train_step_script_runs_its_five_steps_in_a_tiny_mode_and_writes_its_record(tmp_path):
+def test_train_step_script_runs_its_six_steps_in_a_tiny_mode_and_writes_its_record(tmp_path):
     out = tmp_path / "results" / "train-step.json"
     run_script("train_step.py", "--model-args", "num_layers=1,hidden_size=32,num_heads=2,mlp_dim=64", "--precisions",
                "fp32", "--batch", "2", "--threads", "1", "--rounds", "1", "--min-seconds", "0",
@@ -438,6 +438,7 @@ def test_train_step_script_runs_its_five_steps_in_a_tiny_mode_and_writes_its_rec
         "eager, fused Adam",
         "compiled, SDPA",
         "compiled, written out",
+        "compiled, every patch",
     ]
     assert [row["variant"] for row in record["rows"]] == variants and record["rows"][0]["ratio"] == 1.0
     # each round one step at least, however short --min-seconds
