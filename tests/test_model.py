@@ -264,3 +264,18 @@ def test_load_checkpoint_adapts_resolution_and_head(tmp_path):
     assert tuned.config.representation_size is None and tuned.config.drop_path_rate == 0.1
     assert torch.count_nonzero(tuned.head.weight) == 0
     assert torch.equal(tuned.blocks[1].mlp.fc2.weight, model.blocks[1].mlp.fc2.weight)
+
+
+def test_a_checkpoints_patch_dropout_is_recorded_and_fine_tuning_starts_without_it(tmp_path):
+    from vitkit.formats.checkpoints import load_for_finetuning
+
+    vitkit.export(tiny(patch_dropout=0.5), tmp_path / "m.safetensors")
+    assert vitkit.load_checkpoint(tmp_path / "m.safetensors").config.patch_dropout == 0.5  # as it was trained
+    assert load_for_finetuning(str(tmp_path / "m.safetensors"), {}).config.patch_dropout == 0.0
+    asked = load_for_finetuning(str(tmp_path / "m.safetensors"), {"patch_dropout": 0.25})
+    assert asked.config.patch_dropout == 0.25
+    with torch.no_grad():  # the config the forward reads: a training step keeps every patch
+        assert (
+            load_for_finetuning(str(tmp_path / "m.safetensors"), {}).train().embed(torch.randn(2, 3, 32, 32)).shape[1]
+            == 17
+        )

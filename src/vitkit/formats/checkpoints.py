@@ -147,6 +147,10 @@ def load_for_finetuning(path: str, model_args: dict, image_size: int | None = No
     structural = {k: v for k, v in model_args.items() if k in ARCHITECTURE_FIELDS}
     others = {k: v for k, v in model_args.items() if k not in ARCHITECTURE_FIELDS}
     model = load_checkpoint(path, image_size=image_size, **others)
+    # A checkpoint's patch dropout was its own training's (the main job's is 0.5): fine-tuning starts without it, as
+    # the paper's fine-tuning has no dropout and timm's patch_drop_rate is an argument, not part of the weights.
+    if getattr(model.config, "patch_dropout", 0.0) and "patch_dropout" not in others:
+        model.config = model.config.replace(patch_dropout=0.0)
     # The checkpoint's weights decide its architecture; asking for another one is named field by field (the
     # same values as the checkpoint's are harmless). Compared after replace(), so that 16 and (16, 16) agree.
     asked = dataclasses.replace(model.config, **structural)
