@@ -1,8 +1,8 @@
 """The main job, `vitkit train` with no arguments, over seeds: each run in its own process from a cold compile cache
 (a fresh inductor cache directory), everything included; per run the test top-1 (read once, at its end), the val
-top-1 where it held val out (`--val-fraction`), the precision and decay it resolved, its steps, val and test images,
-and its wall time; and over the seeds the lowest test top-1's margin above the 90% goal against the spread between
-seeds. One JSON record, from which benchmarks/tables.py makes docs/MAIN_JOB.md's table.
+top-1 where it held val out (`--val-fraction`), the precision and decay it resolved, its epochs, patch dropout and
+steps, val and test images, and its wall time; and over the seeds the lowest test top-1's margin above the 90% goal
+against the spread between seeds. One JSON record, from which benchmarks/tables.py makes docs/MAIN_JOB.md's table.
 
     python benchmarks/main_job.py --seeds 0 1 2 --out benchmarks/results/main-job-<cpu>.json
     python benchmarks/main_job.py --seeds 0 1 2 --val-fraction 0.1 --out ...   # the recipe checked on val
@@ -62,6 +62,8 @@ def run(seed: int, scratch: Path, extra: list[str], options: list[str]) -> dict:
         "val_images": summary["val_images"],
         "test_images": summary["test_images"],
         "steps": summary["step"],
+        "epochs": train["epochs"] if train["steps"] is None else None,  # None: a length in steps
+        "patch_dropout": train["model_args"].get("patch_dropout", 0.0),
         "wall_s": round(wall, 1),
     }
 

@@ -203,6 +203,15 @@ def minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60)} s"
 
 
+def length(row: dict) -> str:
+    """A main-job run's epochs (or steps, where it was given them), and its patch dropout where it had one; runs
+    recorded without either had 20 epochs and none."""
+    dropout = row.get("patch_dropout") or 0.0
+    given_steps = "epochs" in row and row["epochs"] is None
+    epochs = f"{row['steps']:,} steps" if given_steps else f"{row.get('epochs', 20):g} epochs"
+    return epochs + (f", patch dropout {dropout:g}" if dropout else "")
+
+
 def main_job(records: list[dict]) -> str:
     """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine, and the
     val split it held out of the training images (none before runs chose on val)."""
@@ -211,17 +220,18 @@ def main_job(records: list[dict]) -> str:
         if record.get("benchmark") == "main-job" and not record.get("options"):  # a change: its own table
             for row in record["rows"]:
                 val = f"{row['val_images']:,} images" if row.get("val_images") else "none"
-                groups.setdefault((label(record["machine"]), row["precision"], row["schedule"], val), []).append(row)
+                key = (label(record["machine"]), row["precision"], length(row), row["schedule"], val)
+                groups.setdefault(key, []).append(row)
     rows = []
-    for (machine, precision, schedule, val), runs in groups.items():
+    for (machine, precision, epochs, schedule, val), runs in groups.items():
         top1 = sorted({r["top1"] for r in runs})
         accuracy = f"{top1[0]:.2f}%" if len(top1) == 1 else f"{top1[0]:.2f}-{top1[-1]:.2f}%"
         cold = sorted(r["wall_s"] for r in runs if r["wall_s"] is not None and r["cache"] == "cold")
         time = "-" if not cold else minutes(cold[0]) + ("" if len(cold) == 1 else f" to {minutes(cold[-1])}")
         seeds = len({r["seed"] for r in runs})
         count = f"{len(runs)}" + (f" ({seeds} seeds)" if seeds > 1 else "")
-        rows.append([machine, precision, schedule, val, count, accuracy, time])
-    header = ["machine", "precision", "decay", "val split", "runs", "test top-1", "wall time, cold cache"]
+        rows.append([machine, precision, epochs, schedule, val, count, accuracy, time])
+    header = ["machine", "precision", "length", "decay", "val split", "runs", "test top-1", "wall time, cold cache"]
     return markdown(header, rows, right=3)
 
 
@@ -240,7 +250,8 @@ def recipe(records: list[dict]) -> str:
 def recipe_on_val(records: list[dict]) -> str:
     """`benchmarks/main_job.py --val-fraction`: the main job with val held out of its training images, as it is and
     with one change to the recipe (`--options`), over seeds: val top-1 (where a change is chosen), test top-1, time,
-    and a change's mean val and test top-1 less the recipe's on the same machine and seeds."""
+    and a change's mean val and test top-1 less the recipe's on the same machine and seeds. A record's `note` names
+    what its options do not: the recipe that the changes were measured against, and a change the recipe took up."""
 
     def span(values: list[float]) -> str:
         low, high = min(values), max(values)
@@ -265,12 +276,14 @@ def recipe_on_val(records: list[dict]) -> str:
     recipes = {label(r["machine"]): r for r in measured if not r.get("options")}
     for record in sorted(measured, key=order):
         runs = record["rows"]
-        change = " ".join(record.get("options", [])) or "none: the recipe"
+        change = f"`{' '.join(record['options'])}`" if record.get("options") else "none: the recipe"
+        if record.get("note"):  # what the run is, where its options do not say it: "the recipe since ..."
+            change = f"{change} ({record['note']})" if record.get("options") else record["note"]
         wall = sorted(row["wall_s"] for row in runs)
         base = recipes.get(label(record["machine"]))
         against = gain(record, base) if record.get("options") and base else "-"
         rows.append([
-            f"`{change}`" if record.get("options") else change, label(record["machine"]), str(len(runs)),
+            change, label(record["machine"]), str(len(runs)),
             span([row["val_top1"] for row in runs]), span([row["top1"] for row in runs]), against,
             minutes(wall[0]) + ("" if len(wall) == 1 else f" to {minutes(wall[-1])}"),
         ])  # fmt: skip

@@ -396,7 +396,9 @@ def test_main_job_script_runs_each_seed_from_a_cold_cache_and_makes_the_main_job
     assert seeds["margin"] == pytest.approx(min(top1) - 90) and seeds["spread"] == pytest.approx(max(top1) - min(top1))
     (row,) = table_rows("main-job", out.parent)
     cells = row.strip("|").split(" | ")
-    assert cells[1:5] == [rows[0]["precision"], rows[0]["schedule"], f"{rows[0]['val_images']:,} images", "2 (2 seeds)"]
+    val_images = f"{rows[0]['val_images']:,} images"
+    assert cells[1:6] == [rows[0]["precision"], "4 steps", rows[0]["schedule"], val_images, "2 (2 seeds)"]
+    assert rows[0]["epochs"] is None and rows[0]["patch_dropout"] == 0.0  # the tiny model's own: none
     change = out.parent / "main-job-lr.json"  # a change to the recipe: recorded with its options, not a main-job row
     run_script("main_job.py", "--tiny", "--seeds", "0", "--options", "--lr 0.01", "--out", str(change))
     changed = record_of(change, "main-job", "main_job.py")
@@ -409,6 +411,10 @@ def test_main_job_script_runs_each_seed_from_a_cold_cache_and_makes_the_main_job
     (lr_run,) = changed["rows"]
     val, test = (round(lr_run[key] - rows[0][key], 2) + 0.0 for key in ("val_top1", "top1"))
     assert lr_row.strip("|").split(" | ")[5] == f"{val:+.2f} / {test:+.2f}"  # less the recipe's, on the seed both ran
+    for path, note in ((out, "the recipe before"), (change, "the recipe since")):  # a change the recipe took up
+        path.write_text(json.dumps({**json.loads(path.read_text()), "note": note}))
+    on_val = table_rows("recipe-on-val", out.parent)
+    assert [row.split(" | ")[0] for row in on_val] == ["| the recipe before", "| `--lr 0.01` (the recipe since)"]
 
 
 @pytest.mark.slow

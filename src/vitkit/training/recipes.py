@@ -55,7 +55,7 @@ NONFINITE = ("stop", "skip")
 # The main job's model: ViT-Ti/7 made narrower and shallower for 28x28 images (4x4 = 16 patches + class token).
 # Without --model, the patch is fitted to the data's resolution (`fitted.fit_patch`): 7 px at 28 px. It trains with
 # half of each image's patches left out (patch dropout), for `MAIN_JOB_EPOCHS` where it took 20 without: a step costs
-# less, so 1.5x the steps take about the time of 20 epochs, and on val they gained more than the spread between seeds
+# less, so 1.5x the steps take about the time of 20 epochs, and on val they gained val top-1 on each of six seeds
 # (docs/MAIN_JOB.md).
 MAIN_JOB_MODEL_ARGS = {"hidden_size": 96, "num_layers": 4, "mlp_dim": 192, "num_heads": 2, "patch_dropout": 0.5}
 MAIN_JOB_EPOCHS = 30.0
