@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import vitkit
 from vitkit.data.datasets import get_dataset, to_input
 from vitkit.speed.benchmark import record_header, write_record
-from vitkit.training.recipes import learning_rate
+from vitkit.training.optimization import learning_rate
 
 
 def subset(name: str, split: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,8 @@ import vitkit
 from helpers import subprocess_env
 from vitkit.cli.parser import main
 from vitkit.data.datasets import DATASETS
-from vitkit.training.recipes import OPTIMIZERS, PRECISIONS, SCHEDULES, TRAINABLE, TrainConfig, field_help
+from vitkit.training.optimization import OPTIMIZERS, SCHEDULES, TRAINABLE
+from vitkit.training.recipes import PRECISIONS, TrainConfig, field_help
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,8 @@ from helpers import run_weights as weights
 from helpers import subprocess_env
 from vitkit.training.distributed import World, close_world, join_group, load_sharded, save_sharded, wrap_model
 from vitkit.training.loop import train
-from vitkit.training.recipes import TrainConfig, build_optimizer
+from vitkit.training.optimization import build_optimizer
+from vitkit.training.recipes import TrainConfig
 from vitkit.training.runs import read_checkpoint
 
 ENV = subprocess_env()

@@ -6,9 +6,7 @@ import torch
 from helpers import tiny
 from vitkit.cli.commands import _config_and_given
 from vitkit.cli.parser import build_parser
-from vitkit.training.recipes import (
-    FINETUNE_DEFAULTS,
-    TrainConfig,
+from vitkit.training.optimization import (
     build_optimizer,
     layer_depth,
     learning_rate,
@@ -16,6 +14,7 @@ from vitkit.training.recipes import (
     set_learning_rate,
     set_trainable,
 )
+from vitkit.training.recipes import FINETUNE_DEFAULTS, TrainConfig
 
 
 def test_schedule_is_the_official_linear_warmup_then_cosine_or_linear_decay():

@@ -26,7 +26,8 @@ from vitkit.formats.checkpoints import export, load_checkpoint
 from vitkit.models.architectures import Model, new_model
 from vitkit.models.efficiency import count_params, flops
 from vitkit.models.resnet import BiTConfig
-from vitkit.training.recipes import TrainConfig, set_trainable
+from vitkit.training.optimization import set_trainable
+from vitkit.training.recipes import TrainConfig
 
 from .experiment_tables import markdown_by_point, markdown_table, plot, plot_by_point, table_rows
 from .experiments import EXPERIMENTS, PRESETS, PRETRAINED, Experiment, Preset, Run, Setting

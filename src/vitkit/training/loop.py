@@ -49,18 +49,15 @@ from .distributed import (
 )
 from .evaluation import EvalResult, autocast, batches, evaluate, probe_head
 from .fitted import ResolvedRun, chosen_line, resolve
+from .optimization import build_optimizer, learning_rate, set_learning_rate, set_trainable
 from .recipes import (
     DEFAULT_VARIANT,
     PROBE_C,
     TrainConfig,
-    build_optimizer,
     global_batch,
-    learning_rate,
     main_job_data,
     plan_steps,
     resume_changes,
-    set_learning_rate,
-    set_trainable,
     should_compile,
 )
 from .run_summary import TrainResult, format_summary, summary_dict, time_left
