@@ -223,14 +223,14 @@ def main_job(records: list[dict]) -> str:
                 key = (label(record["machine"]), row["precision"], length(row), row["schedule"], val)
                 groups.setdefault(key, []).append(row)
     rows = []
-    for (machine, precision, epochs, schedule, val), runs in groups.items():
+    for (machine, precision, run_length, schedule, val), runs in groups.items():
         top1 = sorted({r["top1"] for r in runs})
         accuracy = f"{top1[0]:.2f}%" if len(top1) == 1 else f"{top1[0]:.2f}-{top1[-1]:.2f}%"
         cold = sorted(r["wall_s"] for r in runs if r["wall_s"] is not None and r["cache"] == "cold")
         time = "-" if not cold else minutes(cold[0]) + ("" if len(cold) == 1 else f" to {minutes(cold[-1])}")
         seeds = len({r["seed"] for r in runs})
         count = f"{len(runs)}" + (f" ({seeds} seeds)" if seeds > 1 else "")
-        rows.append([machine, precision, epochs, schedule, val, count, accuracy, time])
+        rows.append([machine, precision, run_length, schedule, val, count, accuracy, time])
     header = ["machine", "precision", "length", "decay", "val split", "runs", "test top-1", "wall time, cold cache"]
     return markdown(header, rows, right=3)
 

@@ -269,13 +269,11 @@ def test_load_checkpoint_adapts_resolution_and_head(tmp_path):
 def test_a_checkpoints_patch_dropout_is_recorded_and_fine_tuning_starts_without_it(tmp_path):
     from vitkit.formats.checkpoints import load_for_finetuning
 
-    vitkit.export(tiny(patch_dropout=0.5), tmp_path / "m.safetensors")
-    assert vitkit.load_checkpoint(tmp_path / "m.safetensors").config.patch_dropout == 0.5  # as it was trained
-    assert load_for_finetuning(str(tmp_path / "m.safetensors"), {}).config.patch_dropout == 0.0
-    asked = load_for_finetuning(str(tmp_path / "m.safetensors"), {"patch_dropout": 0.25})
-    assert asked.config.patch_dropout == 0.25
+    path = str(tmp_path / "m.safetensors")
+    vitkit.export(tiny(patch_dropout=0.5), path)
+    assert vitkit.load_checkpoint(path).config.patch_dropout == 0.5  # as it was trained
+    tuned = load_for_finetuning(path, {})
+    assert tuned.config.patch_dropout == 0.0
     with torch.no_grad():  # the config the forward reads: a training step keeps every patch
-        assert (
-            load_for_finetuning(str(tmp_path / "m.safetensors"), {}).train().embed(torch.randn(2, 3, 32, 32)).shape[1]
-            == 17
-        )
+        assert tuned.train().embed(torch.randn(2, 3, 32, 32)).shape[1] == 17
+    assert load_for_finetuning(path, {"patch_dropout": 0.25}).config.patch_dropout == 0.25
