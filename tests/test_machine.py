@@ -28,6 +28,15 @@ def test_the_machine_names_the_cpus_family_and_model_where_proc_cpuinfo_has_them
     assert info["flags"] == [f for f in machine.CPU_FLAGS if f in fields["flags"].split()]
 
 
+def test_a_record_names_the_instruction_set_limits_it_ran_under(monkeypatch):
+    for name in machine.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    assert "isa_limits" not in machine.describe()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "")
+    assert machine.describe()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def test_auto_precision_picks_bf16_only_where_it_is_native(monkeypatch):
     monkeypatch.setattr(machine, "bf16_is_native", lambda device="cpu": False)
     assert machine.resolve_precision("auto") == "fp32"

@@ -134,6 +134,9 @@ def compiler_present(device: torch.device) -> bool:
 
 # The /proc/cpuinfo flags that decide which kernels run: AVX-512 for oneDNN's fp32 layers, bf16 and AMX for bf16.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+# Environment variables with which ATen (and inductor), oneDNN and MKL run narrower instruction sets than the CPU has:
+# a figure measured under one of them is a figure of that instruction set, so a record names those that were set.
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def describe() -> dict[str, Any]:
@@ -152,6 +155,9 @@ def describe() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+    limits = {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
+    if limits:
+        info["isa_limits"] = limits
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["bf16_native_gpu"] = bf16_is_native("cuda")
