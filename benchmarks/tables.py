@@ -58,7 +58,10 @@ def label(machine: dict) -> str:
     vendor and instructions), marked as a GPU machine's host where it has a GPU (another machine than a CPU one)."""
     if machine.get("device") == "cuda":
         return machine["gpu"].removeprefix("NVIDIA ")
-    return cpu_label(machine) + (f" ({machine['gpu'].removeprefix('NVIDIA ')} host)" if machine.get("gpu") else "")
+    name = cpu_label(machine) + (f" ({machine['gpu'].removeprefix('NVIDIA ')} host)" if machine.get("gpu") else "")
+    limits = machine.get("isa_limits") or {}  # run with narrower instructions than it has: another machine's path
+    isa = limits.get("ATEN_CPU_CAPABILITY") or limits.get("ONEDNN_MAX_CPU_ISA") or limits.get("MKL_ENABLE_INSTRUCTIONS")
+    return f"{name} run as {isa.upper()}" if isa else name
 
 
 def cpu_label(machine: dict) -> str:
@@ -212,12 +215,22 @@ def length(row: dict) -> str:
     return epochs + (f", patch dropout {dropout:g}" if dropout else "")
 
 
+def recipe_change(record: dict) -> list[str]:
+    """A main-job record's options that change the recipe: all but `--precision`, which picks the arithmetic the
+    recipe runs in (its own column) and leaves the recipe as it is."""
+    options = list(record.get("options") or [])
+    while "--precision" in options:
+        at = options.index("--precision")
+        del options[at : at + 2]
+    return options
+
+
 def main_job(records: list[dict]) -> str:
     """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine, and the
     val split it held out of the training images (none before runs chose on val)."""
     groups: dict[tuple, list[dict]] = {}
     for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
-        if record.get("benchmark") == "main-job" and not record.get("options"):  # a change: its own table
+        if record.get("benchmark") == "main-job" and not recipe_change(record):  # a change: its own table
             for row in record["rows"]:
                 val = f"{row['val_images']:,} images" if row.get("val_images") else "none"
                 key = (label(record["machine"]), row["precision"], length(row), row["schedule"], val)
@@ -360,8 +373,9 @@ def transfer_normalization(records: list[dict]) -> str:
 
 
 def machines(records: list[dict]) -> str:
-    """The machines the records come from, as /proc/cpuinfo names them."""
-    records = [r for r in records if "machine" in r]
+    """The machines the records come from, as /proc/cpuinfo names them (one run with narrower instructions than it
+    has counted as itself)."""
+    records = [{**r, "machine": {**r["machine"], "isa_limits": None}} for r in records if "machine" in r]
     seen: dict[str, tuple[dict, set, int]] = {}
     for record in records:
         m = record["machine"]

@@ -106,3 +106,22 @@ def test_tried_not_kept_rows_are_the_records_rows_and_the_machines_table_leaves_
     assert "| a change | Zen 3, Zen 5 | 0.80x | slower | `options-zen3.json` |" in text
     assert "| another | - | 1.007x | within the noise | - |" in text
     assert "| Zen 3 | AMD EPYC (family 25, model 1) | AVX2 | emulated | 2 | 1 |" in text
+
+
+def test_a_main_job_run_in_another_precision_or_instruction_set_is_the_recipe_and_says_where_it_ran(tmp_path):
+    """`--precision` picks the recipe's arithmetic, not a change to it: such a record joins the main-job table with
+    its precision; a record made with narrower instructions than its CPU has is named as run with those, and counts
+    as its own machine in the machines table; any other option is a change to the recipe and stays out."""
+    machine = {"cpu": "AMD EPYC (family 25, model 17)", "family": 25, "model": 17, "flags": ["avx512_bf16"],
+               "bf16_native_cpu": True, "threads": 2}  # fmt: skip
+    row = {"seed": 0, "precision": "fp32", "schedule": "linear", "cache": "cold", "top1": 90.31, "val_images": None,
+           "steps": 14040, "epochs": 30.0, "patch_dropout": 0.5, "wall_s": 500.0}  # fmt: skip
+    limited = {"benchmark": "main-job", "date": "2026-01-02T00:00Z", "options": ["--precision", "fp32"],
+               "machine": {**machine, "isa_limits": {"ATEN_CPU_CAPABILITY": "avx2"}}, "rows": [row]}  # fmt: skip
+    change = {**limited, "machine": machine, "options": ["--precision", "fp32", "--batch-size", "64"],
+              "rows": [{**row, "top1": 12.34}]}  # fmt: skip
+    text = render(tmp_path, {"limited": limited, "change": change}, ("main-job", "machines"))
+    expected = "| Zen 4 run as AVX2 | fp32 | 30 epochs, patch dropout 0.5 | linear | none | 1 | 90.31% | 8 min 20 s |"
+    assert expected in text
+    assert "12.34" not in text
+    assert "| Zen 4 | AMD EPYC (family 25, model 17) | AVX-512 BF16 | native | 2 | 2 |" in text
