@@ -12,7 +12,9 @@ vitkit's kernels installed (`kernels.install`, as `vitkit train` does):
   when the step is bf16, as eager training on a CPU does);
 - "compiled, written out": `torch.compile` with `vitkit.speed.kernels.attend_explicit`, what `vitkit train --compile`
   runs on a CPU;
-- "compiled, every patch": the same without patch dropout (`patch_dropout=0`), every patch token in every step.
+- "compiled, every patch": the same without patch dropout (`patch_dropout=0`), every patch token in every step; its
+  ratio is to the first, which drops patches where the model does, so it measures what patch dropout saves (with
+  `--model-args patch_dropout=0` every variant sees every patch, and the ratios compare compiled with eager).
 Interleaved rounds, medians, ratios to the first; the CPU and its bf16 support are printed with them.
 """
 
