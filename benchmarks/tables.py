@@ -225,18 +225,24 @@ def recipe_change(record: dict) -> list[str]:
     return options
 
 
-def main_job(records: list[dict]) -> str:
+def main_job(records: list[dict], now: bool = False) -> str:
     """`vitkit train` with no arguments: test top-1 and wall time (from a cold compile cache) per machine, and the
-    val split it held out of the training images (none before runs chose on val)."""
+    val split it held out of the training images (none before runs chose on val). `now`: only the recipe of the
+    newest record that held no val out, and only such runs."""
     groups: dict[tuple, list[dict]] = {}
+    newest = None
     for record in sorted(records, key=lambda r: r.get("date") or "", reverse=True):
         if record.get("benchmark") == "main-job" and not recipe_change(record):  # a change: its own table
             for row in record["rows"]:
                 val = f"{row['val_images']:,} images" if row.get("val_images") else "none"
+                if newest is None and val == "none":  # records newest first: the recipe as it is
+                    newest = (length(row), row["schedule"])
                 key = (label(record["machine"]), row["precision"], length(row), row["schedule"], val)
                 groups.setdefault(key, []).append(row)
     rows = []
     for (machine, precision, run_length, schedule, val), runs in groups.items():
+        if now and ((run_length, schedule) != newest or val != "none"):
+            continue
         top1 = sorted({r["top1"] for r in runs})
         accuracy = f"{top1[0]:.2f}%" if len(top1) == 1 else f"{top1[0]:.2f}-{top1[-1]:.2f}%"
         cold = sorted(r["wall_s"] for r in runs if r["wall_s"] is not None and r["cache"] == "cold")
@@ -245,6 +251,8 @@ def main_job(records: list[dict]) -> str:
         count = f"{len(runs)}" + (f" ({seeds} seeds)" if seeds > 1 else "")
         rows.append([machine, precision, run_length, schedule, val, count, accuracy, time])
     header = ["machine", "precision", "length", "decay", "val split", "runs", "test top-1", "wall time, cold cache"]
+    if now:  # one recipe, all on the training images: the columns that would repeat it go
+        header, rows = header[:2] + header[5:], [row[:2] + row[5:] for row in rows]
     return markdown(header, rows, right=3)
 
 
@@ -720,6 +728,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "bench": bench,
     "options": options,
     "main-job": main_job,
+    "main-job-now": lambda records: main_job(records, now=True),
     "recipe": recipe,
     "recipe-on-val": recipe_on_val,
     "transfer": transfer,

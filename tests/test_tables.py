@@ -17,7 +17,7 @@ def run_tables(*args: str) -> subprocess.CompletedProcess:
 def render(tmp_path: Path, records: dict[str, dict], tables: tuple[str, ...]) -> str:
     """`tables` generated from `records` (file stem: record) into a fresh document: its text."""
     results = tmp_path / "results"
-    results.mkdir()
+    results.mkdir(parents=True)
     for name, record in records.items():
         (results / f"{name}.json").write_text(json.dumps(record))
     doc = tmp_path / "doc.md"
@@ -125,3 +125,18 @@ def test_a_main_job_run_in_another_precision_or_instruction_set_is_the_recipe_an
     assert expected in text
     assert "12.34" not in text
     assert "| Zen 4 | AMD EPYC (family 25, model 17) | AVX-512 BF16 | native | 2 | 2 |" in text
+
+
+def test_the_readmes_main_job_table_shows_only_the_recipe_of_the_newest_run_on_all_training_images(tmp_path):
+    machine = {"cpu": "AMD EPYC (family 25, model 17)", "family": 25, "model": 17, "flags": ["avx512_bf16"]}
+    row = {"seed": 0, "precision": "bf16", "schedule": "linear", "cache": "cold", "top1": 90.31, "val_images": None,
+           "steps": 14040, "epochs": 30.0, "patch_dropout": 0.5, "wall_s": 400.0}  # fmt: skip
+    now = {"benchmark": "main-job", "machine": machine, "date": "2026-01-02T00:00Z", "options": [], "rows": [row]}
+    on_val = {**now, "date": "2026-01-03T00:00Z", "rows": [{**row, "val_images": 6000, "top1": 77.77}]}
+    old_row = {**row, "epochs": 20.0, "patch_dropout": 0.0, "top1": 88.88}
+    before = {**now, "date": "2026-01-01T00:00Z", "rows": [old_row]}
+    records = {"now": now, "on_val": on_val, "before": before}
+    every = render(tmp_path / "every", records, ("main-job",))
+    assert all(figure in every for figure in ("90.31%", "77.77%", "88.88%"))
+    text = render(tmp_path / "now", records, ("main-job-now",))
+    assert "| Zen 4 | bf16 | 1 | 90.31% | 6 min 40 s |" in text and "77.77" not in text and "88.88" not in text
