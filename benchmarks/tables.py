@@ -54,14 +54,20 @@ def instructions(machine: dict) -> str:
 
 
 def label(machine: dict) -> str:
-    """The machine's name in the tables: its GPU where the record ran on one; else its CPU's microarchitecture (or
-    vendor and instructions), marked as a GPU machine's host where it has a GPU (another machine than a CPU one)."""
+    """The machine's name in the tables (`hardware`), marked "run as" the instruction set a record was limited to
+    (the path of another machine than this one's)."""
+    name = hardware(machine)
+    limits = machine.get("isa_limits") or {}  # in machine.describe()'s order: ATen's capability first
+    isa = next(iter(limits.values()), None)
+    return f"{name} run as {isa.upper()}" if isa and machine.get("device") != "cuda" else name
+
+
+def hardware(machine: dict) -> str:
+    """The machine itself: its GPU where the record ran on one; else its CPU's microarchitecture (or vendor and
+    instructions), marked as a GPU machine's host where it has a GPU (another machine than a CPU one)."""
     if machine.get("device") == "cuda":
         return machine["gpu"].removeprefix("NVIDIA ")
-    name = cpu_label(machine) + (f" ({machine['gpu'].removeprefix('NVIDIA ')} host)" if machine.get("gpu") else "")
-    limits = machine.get("isa_limits") or {}  # run with narrower instructions than it has: another machine's path
-    isa = limits.get("ATEN_CPU_CAPABILITY") or limits.get("ONEDNN_MAX_CPU_ISA") or limits.get("MKL_ENABLE_INSTRUCTIONS")
-    return f"{name} run as {isa.upper()}" if isa else name
+    return cpu_label(machine) + (f" ({machine['gpu'].removeprefix('NVIDIA ')} host)" if machine.get("gpu") else "")
 
 
 def cpu_label(machine: dict) -> str:
@@ -81,13 +87,14 @@ def markdown(head: list[str], rows: list[list[str]], right: int = 0) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def machines_in(records: list[dict]) -> list[str]:
-    """Machine labels, the machine of the newest record first (records without a date count as oldest)."""
+def machines_in(records: list[dict], name_of: Callable[[dict], str] = label) -> list[str]:
+    """Machine labels (or other names, `name_of`), the machine of the newest record first (records without a date
+    count as oldest)."""
     newest: dict[str, str] = {}
     for r in records:
         if "machine" not in r:  # tried-not-kept.json: of many machines, each of its rows names its own
             continue
-        name = label(r["machine"])
+        name = name_of(r["machine"])
         newest[name] = max(newest.get(name, ""), r.get("date") or "")
     return sorted(newest, key=lambda name: newest[name], reverse=True)
 
@@ -383,15 +390,15 @@ def transfer_normalization(records: list[dict]) -> str:
 def machines(records: list[dict]) -> str:
     """The machines the records come from, as /proc/cpuinfo names them (one run with narrower instructions than it
     has counted as itself)."""
-    records = [{**r, "machine": {**r["machine"], "isa_limits": None}} for r in records if "machine" in r]
+    records = [r for r in records if "machine" in r]
     seen: dict[str, tuple[dict, set, int]] = {}
     for record in records:
         m = record["machine"]
-        entry = seen.setdefault(label(m), (m, set(), 0))
+        entry = seen.setdefault(name := hardware(m), (m, set(), 0))
         entry[1].add(m.get("threads"))
-        seen[label(m)] = (entry[0], entry[1], entry[2] + 1)
+        seen[name] = (entry[0], entry[1], entry[2] + 1)
     rows = []
-    for name in machines_in(records):
+    for name in machines_in(records, hardware):
         m, threads, count = seen[name]
         on_gpu = m.get("device") == "cuda"
         bf16 = "native" if m.get("bf16_native_gpu" if on_gpu else "bf16_native_cpu") else "emulated"
