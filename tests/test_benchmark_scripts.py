@@ -397,8 +397,9 @@ def test_main_job_script_runs_each_seed_from_a_cold_cache_and_makes_the_main_job
     (row,) = table_rows("main-job", out.parent)
     cells = row.strip("|").split(" | ")
     val_images = f"{rows[0]['val_images']:,} images"
-    assert cells[1:6] == [rows[0]["precision"], "4 steps", rows[0]["schedule"], val_images, "2 (2 seeds)"]
-    assert rows[0]["epochs"] is None and rows[0]["patch_dropout"] == 0.0  # the tiny model's own: none
+    length = "4 steps, patch dropout 0.5"  # the main job's model, narrowed: its patch dropout stays
+    assert cells[1:6] == [rows[0]["precision"], length, rows[0]["schedule"], val_images, "2 (2 seeds)"]
+    assert rows[0]["epochs"] is None and rows[0]["patch_dropout"] == 0.5
     change = out.parent / "main-job-lr.json"  # a change to the recipe: recorded with its options, not a main-job row
     run_script("main_job.py", "--tiny", "--seeds", "0", "--options", "--lr 0.01", "--out", str(change))
     changed = record_of(change, "main-job", "main_job.py")

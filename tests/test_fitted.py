@@ -4,6 +4,7 @@ import torch
 import vitkit
 from helpers import SMALL_ENCODER
 from vitkit.data.datasets import get_dataset
+from vitkit.models.architectures import new_model
 from vitkit.models.config import decode_variant
 from vitkit.training import fitted
 from vitkit.training.fitted import (
@@ -21,6 +22,7 @@ from vitkit.training.fitted import (
 )
 from vitkit.training.recipes import (
     MAIN_JOB_EPOCHS,
+    MAIN_JOB_MODEL_ARGS,
     MIRROR_FLIP,
     SCRATCH_MIN_STEPS,
     TRANSFER_CHECKPOINT,
@@ -115,6 +117,25 @@ def test_a_dataset_with_its_own_resolution_keeps_it_and_its_augmentation_so_the_
     assert fit_to_data(config, fashion) == config  # a fitted config has nothing left to fit
 
 
+def test_model_args_override_the_models_own_config_one_by_one():
+    fashion = image_survey((28, 28), True, True, "fashion-mnist", ((1.0, 1.0), True))
+    main_job = fit_to_data(TrainConfig(), fashion)
+    assert main_job.model == "ViT-Ti/7" and main_job.model_args == MAIN_JOB_MODEL_ARGS
+    # Without --model they change the main job's model in the fields named, and in no other.
+    every_patch = fit_to_data(TrainConfig(model_args={"patch_dropout": 0.0}), fashion)
+    assert every_patch.model_args == {**MAIN_JOB_MODEL_ARGS, "patch_dropout": 0.0}
+    built = new_model(every_patch.model, image_size=28, num_classes=10, in_chans=1, **every_patch.model_args).config
+    assert (built.hidden_size, built.num_layers, built.num_heads, built.patch_dropout) == (96, 4, 2, 0.0)
+    narrower = fit_to_data(TrainConfig(model_args={"hidden_size": 64, "num_layers": 4}), fashion)  # the help's example
+    assert narrower.model_args == {**MAIN_JOB_MODEL_ARGS, "hidden_size": 64}
+    # A variant given is the paper's variant (ViT-S: 384 wide, 12 layers), with only the fields given changed.
+    small = fit_to_data(TrainConfig(model="ViT-S/7"), fashion)
+    assert small.model_args == {} and decode_variant(small.model, **small.model_args).hidden_size == 384
+    assert fit_to_data(TrainConfig(model="ViT-S/7", model_args={"num_layers": 2}), fashion).model_args == {
+        "num_layers": 2
+    }
+
+
 def test_every_option_given_wins_over_the_fitted_one():
     given = TrainConfig(
         image_size=24,
@@ -198,6 +219,12 @@ def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length
     given = choose_start(folder, image_survey((32, 32), images=932), lambda name: True, given=typed)[0]
     assert (given.optimizer, given.weight_decay, given.lr, given.momentum) == ("adamw", 0.1, TRANSFER_LR, 0.9)
     assert given.steps is None and given.epochs == MAIN_JOB_EPOCHS and given.checkpoint == TRANSFER_CHECKPOINT
+    # model_args that shape a new model ask for one; those a checkpoint leaves open (drop_path_rate) go with it
+    few = image_survey((32, 32), images=932)
+    shaped = choose_start(folder.replace(model_args={"hidden_size": 64}), few, lambda name: True)
+    assert shaped[0].checkpoint is None and shaped[1] == Start("given", counted=True)
+    regularised = folder.replace(model_args={"drop_path_rate": 0.1})
+    assert choose_start(regularised, few, lambda name: True)[0].checkpoint == TRANSFER_CHECKPOINT
     for option in ({"from_scratch": True}, {"model": "ViT-Ti/8"}):
         config, line = start_and_line(folder.replace(**option), image_survey((32, 32), images=932), lambda name: True)
         assert config.checkpoint is None and config.steps == SCRATCH_MIN_STEPS

@@ -26,7 +26,7 @@ from vitkit.speed.machine import resolve_precision
 from vitkit.training.distributed import World
 from vitkit.training.fitted import resolve
 from vitkit.training.loop import initial_model, train
-from vitkit.training.recipes import AUTO_COMPILE_STEPS, TrainConfig, should_compile
+from vitkit.training.recipes import AUTO_COMPILE_STEPS, MAIN_JOB_MODEL_ARGS, TrainConfig, should_compile
 from vitkit.training.runs import read_checkpoint, read_metrics
 
 
@@ -144,17 +144,18 @@ def test_a_checkpoint_of_another_architecture_than_model_args_names_the_fields_t
     base = vitkit.create_model("ViT-Ti/8", image_size=16, num_classes=5, **TINY)  # hidden 16, 2 layers, 2 heads
     vitkit.export(base, tmp_path / "base.safetensors")
     dataset = get_dataset("shapes", "train", size=8, image_size=16)
-    # `vitkit train --checkpoint` keeps the main job's model_args: hidden_size 96, num_layers 4, mlp_dim 192, ...
+    path = str(tmp_path / "base.safetensors")
+    # The main job's model_args (hidden_size 96, num_layers 4, mlp_dim 192, ...) given with the checkpoint.
     with pytest.raises(
         ValueError,
         match=r"base\.safetensors is another architecture than model_args ask for: "
         r"hidden_size 16 != 96, mlp_dim 32 != 192, num_layers 2 != 4 \(checkpoint "
         r"!= asked\)",
     ):
-        resolve(TrainConfig(checkpoint=str(tmp_path / "base.safetensors")), dataset)
-    same = initial_model(
-        resolve(TrainConfig(checkpoint=str(tmp_path / "base.safetensors"), model_args=TINY), dataset), dataset
-    )
+        resolve(TrainConfig(checkpoint=path, model_args=MAIN_JOB_MODEL_ARGS), dataset)
+    # Left out, none are asked of the checkpoint (the main job's are a new model's): its own architecture trains.
+    assert resolve(TrainConfig(checkpoint=path), dataset).config.model_args == {}
+    same = initial_model(resolve(TrainConfig(checkpoint=path, model_args=TINY), dataset), dataset)
     assert same.config.hidden_size == 16  # the checkpoint's own values are no change
 
 
@@ -192,7 +193,8 @@ def test_a_run_surveys_its_data_fits_it_and_reads_its_checkpoint_once(tmp_path, 
     monkeypatch.setattr(fitted, "TRANSFER_CHECKPOINT", str(checkpoint))
     folder = write_image_folder(tmp_path / "folder", per_class=4, classes=("cat", "dog"))
     calls.clear()
-    train(shapes_config(tmp_path / "transfer", data=str(folder), data_args={}, model=None, batch_size=2, steps=1))
+    train(shapes_config(tmp_path / "transfer", data=str(folder), data_args={}, model=None, model_args={},
+                        batch_size=2, steps=1))  # fmt: skip
     assert calls == {"survey": 1, "fit_to_data": 1, "load_checkpoint": 1}
     recorded = json.loads((tmp_path / "transfer" / "config.json").read_text())["train"]
     assert (recorded["checkpoint"], recorded["image_size"], recorded["optimizer"]) == (str(checkpoint), 56, "sgd")

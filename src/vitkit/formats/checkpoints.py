@@ -163,7 +163,7 @@ def load_for_finetuning(path: str, model_args: dict, image_size: int | None = No
         raise ValueError(
             f"checkpoint {path} is another architecture than model_args ask for: {', '.join(differ)} "
             "(checkpoint != asked). With a checkpoint give only overrides without weights (e.g. "
-            "drop_path_rate); `vitkit finetune` clears model_args."
+            "drop_path_rate), or leave --model-args out: the checkpoint's weights decide its architecture."
         )
     return model
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from vitkit.data.datasets import LabelledDataset
 from vitkit.data.survey import survey
-from vitkit.formats.checkpoints import adapt, load_for_finetuning
+from vitkit.formats.checkpoints import ARCHITECTURE_FIELDS, adapt, load_for_finetuning
 from vitkit.formats.pretrained import is_installed, is_pretrained_name, lookup
 from vitkit.models.architectures import Model, ModelConfig
 from vitkit.models.config import ViTConfig, decode_variant
@@ -49,6 +49,7 @@ from .recipes import (
     TrainConfig,
     default_of,
     global_batch,
+    new_model_args,
 )
 
 
@@ -160,21 +161,23 @@ def choose_start(
     `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` and `TRANSFER_LABEL_SMOOTHING` for the fields not given, for
     `transfer_length` steps, the new head from a linear probe unless `head_init` is given, with
     `TRANSFER_LAYER_DECAY` unless `layer_decay` is given; other image folders train a new ViT for at least
-    `SCRATCH_MIN_STEPS`. A checkpoint, a model or `from_scratch` given, a length given, or a dataset of its own
-    (Fashion-MNIST, ...) keep the config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`)
+    `SCRATCH_MIN_STEPS`, as do those given `from_scratch`, a model, or `model_args` that shape one (hidden_size, ...:
+    `ARCHITECTURE_FIELDS`). A checkpoint given, a length given, or a dataset of its own (Fashion-MNIST, ...) keep the
+    config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`)
     where the batch is not given. A field counts as given where it is named in `given` (the options the user
     typed, whatever their value) or differs from its default."""
     images = survey["images"]
-    if survey["own_size"] or config.checkpoint is not None:
-        return config, Start("")
 
     def is_given(name: str) -> bool:
         return name in given or getattr(config, name) != default_of(name)
 
+    if survey["own_size"] or config.checkpoint is not None:
+        return config, Start("")
+
     counted = config.steps is None and not is_given("epochs")
     batch = fit_batch(images, multiple) if config.batch_size is None else config.batch_size
-    if config.from_scratch or config.model is not None:
-        rule = "given"
+    if config.from_scratch or config.model is not None or ARCHITECTURE_FIELDS & set(config.model_args):
+        rule = "given"  # a new model asked for: by name, or by the shape its model_args give it
     elif images > TRANSFER_MAX_IMAGES:
         rule = "many"
     elif not installed(TRANSFER_CHECKPOINT):
@@ -193,13 +196,15 @@ def choose_start(
 
 
 def fit_model(config: TrainConfig, size: int) -> dict[str, Any]:
-    """A new model's name and resolution for images that ask for `size` px: `DEFAULT_VARIANT` with a patch from
-    `fit_patch`, or the model given with its own patch; the resolution given, or the one nearest `size` that the
-    model's patch stride divides."""
+    """A new model's name, overrides and resolution for images that ask for `size` px: the main job's model
+    (`DEFAULT_VARIANT` with a patch from `fit_patch`, `model_args` over `MAIN_JOB_MODEL_ARGS`), or the model given
+    with its own patch and `model_args`; the resolution given, or the one nearest `size` that the model's patch
+    stride divides."""
     size = config.image_size or size
-    patch = 16 if "patch_size" in config.model_args else fit_patch(size)  # model_args' patch_size wins anyway
+    args = new_model_args(config)
+    patch = 16 if "patch_size" in args else fit_patch(size)  # model_args' patch_size wins anyway
     model = config.model or f"{DEFAULT_VARIANT}/{patch}"
-    return {"model": model, "image_size": config.image_size or _fitting_size(model, config.model_args, size)}
+    return {"model": model, "model_args": args, "image_size": config.image_size or _fitting_size(model, args, size)}
 
 
 def fit_to_data(

@@ -56,6 +56,7 @@ from .recipes import (
     TrainConfig,
     global_batch,
     main_job_data,
+    new_model_args,
     plan_steps,
     resume_changes,
     should_compile,
@@ -218,7 +219,7 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     if saved is None:  # the main job trains on all its training images; config.json records it
         config = main_job_data(config)
     if saved is None and config.checkpoint is None:  # a typo fails now, not after the data has loaded
-        check_overrides(config.model or f"{DEFAULT_VARIANT}/16", config.model_args)
+        check_overrides(config.model or f"{DEFAULT_VARIANT}/16", new_model_args(config))
     torch.manual_seed(config.seed)
     train_set, val_set, test_set = load_datasets(config)
     if len(train_set.classes) < 2:

@@ -73,7 +73,6 @@ FINETUNE_DEFAULTS = {
     "grad_clip": 1.0,
     "steps": 500,
     "label_smoothing": 0.0,
-    "model_args": {},
 }
 
 
@@ -149,6 +148,11 @@ def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
     return machine.compiler_present(world.device)
 
 
+def _pairs(args: dict) -> str:
+    """ViTConfig overrides as `--model-args` takes them: k=v,..."""
+    return ",".join(f"{k}={v}" for k, v in args.items())
+
+
 def _field(default: Any, help: str, choices: Any = None) -> Any:
     """A TrainConfig field with its one-line description (the command-line help) and, where the values come from
     a registry, its `choices`."""
@@ -205,10 +209,15 @@ class TrainConfig:
     # model
     model: str | None = _field(
         None,
-        "variant name ViT-<Ti|S|B|L|H>/<patch> or R50+ViT-B/16 (see `vitkit models`); default: ViT-Ti with a patch "
-        "fitted to the resolution (7 px at 28 px, 16 px at 224 px)",
+        "variant name ViT-<Ti|S|B|L|H>/<patch> or R50+ViT-B/16 (see `vitkit models`); default: the main job's narrow "
+        f"ViT-Ti ({_pairs(MAIN_JOB_MODEL_ARGS)}) with a patch fitted to the resolution (7 px at 28 px, 16 px at 224 "
+        "px)",
     )
-    model_args: dict = _field(MAIN_JOB_MODEL_ARGS, "ViTConfig overrides, e.g. hidden_size=64,num_layers=4")
+    model_args: dict = _field(
+        {},
+        "ViTConfig overrides of the model's own config: the variant's, the checkpoint's (only those its weights leave "
+        "open, e.g. drop_path_rate), or without --model the main job's; e.g. patch_dropout=0",
+    )
     checkpoint: str | None = _field(
         None,
         "start from this model file (any format load_checkpoint reads); default: for an image folder of at most "
@@ -415,6 +424,13 @@ def field_help(name: str) -> tuple[str, tuple[str, ...] | None]:
 def default_of(name: str) -> Any:
     """A TrainConfig field's default: from Python, a field at its default counts as not given (`train`'s `given`)."""
     return getattr(TrainConfig(), name)
+
+
+def new_model_args(config: TrainConfig) -> dict[str, Any]:
+    """The ViTConfig overrides a new model of `config` is built with: its `model_args` on the variant given, or
+    without a model on `MAIN_JOB_MODEL_ARGS` (the main job's model), as timm's and Hugging Face's keyword arguments
+    override a model's own config one by one."""
+    return dict(config.model_args) if config.model is not None else {**MAIN_JOB_MODEL_ARGS, **config.model_args}
 
 
 def main_job_data(config: TrainConfig) -> TrainConfig:
