@@ -61,6 +61,16 @@ def test_every_train_option_has_its_field_description_and_the_registries_choices
     assert f"default {defaults.epochs:g}" in text and "default 0.9 0.98" in text
 
 
+def test_model_args_take_key_value_pairs_with_lists_or_json():
+    from vitkit.cli.parser import build_parser
+
+    def parsed(text: str) -> dict:
+        return build_parser().parse_args(["train", "--model-args", text]).model_args
+
+    assert parsed("units=[1,1],hidden_size=64,act=gelu") == {"units": [1, 1], "hidden_size": 64, "act": "gelu"}
+    assert parsed('{"units": [1, 1]}') == {"units": [1, 1]} and parsed("patch_size=[7,7]") == {"patch_size": [7, 7]}
+
+
 def test_finetune_help_shows_the_finetuning_recipe_defaults_not_trains(capsys):
     text = help_text("finetune", capsys)
     assert "default sgd" in text and "default 0.01" in text and "overrides --epochs; default 500" in text

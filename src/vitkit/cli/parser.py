@@ -101,12 +101,24 @@ def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _top_level(text: str) -> list[str]:
+    """`text` split at its commas outside brackets: 'units=[1,1],act=gelu' -> ['units=[1,1]', 'act=gelu']."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "[{") - (char in "]}")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
+
+
 def _mapping(text: str) -> dict:
-    """'{"hidden_size": 64}' or 'hidden_size=64,num_layers=4' (values read as JSON where they parse)."""
+    """'{"hidden_size": 64}' or 'hidden_size=64,num_layers=4' (values read as JSON where they parse, lists too:
+    'units=[1,1]')."""
     if text.strip().startswith("{"):
         return json.loads(text)
     out = {}
-    for item in filter(None, text.split(",")):
+    for item in filter(None, _top_level(text)):
         key, sep, value = item.partition("=")
         if not sep:
             raise argparse.ArgumentTypeError(f"{item!r}: write key=value pairs separated by commas, or JSON.")
