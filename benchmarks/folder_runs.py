@@ -36,11 +36,13 @@ import folders  # noqa: E402
 
 from vitkit.speed.benchmark import commit, record_header, write_record  # noqa: E402
 
-# The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding), the paper's
+# The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding; with and
+# without the main job's patch dropout, which a new ViT on image files trains with), the paper's
 # zero head in place of the linear probe, the pre-trained start at other resolutions (one the defaults chose is not run
 # twice), and, where the classes are imbalanced, the class-balanced loss.
 HAND = {
     "from scratch": ["--from-scratch"],
+    "from scratch, every patch": ["--from-scratch", "--model-args", "patch_dropout=0"],
     "zero head": ["--head-init", "zero"],
     "fine-tune at 56 px": ["--image-size", "56"],
     "fine-tune at 84 px": ["--image-size", "84"],
@@ -129,9 +131,11 @@ def folder_record(
     only: list[str] | None,
     kept: dict,
     seeds: int = 1,
+    defaults_seeds: int | None = None,
 ) -> dict:
     """The defaults and the runs by hand on ROOT/NAME (`hand_runs`), each with `seeds` seeds (the first is LABEL, each
-    other one "LABEL, seed S"), beside its baselines. Runs in `kept`, recorded before, are taken as they are."""
+    other one "LABEL, seed S"; the defaults with `defaults_seeds` where given), beside its baselines. Runs in `kept`,
+    recorded before, are taken as they are."""
     folder = root / name
     per_class = {
         c.name: sum(f.is_file() for f in c.iterdir()) for c in sorted((folder / "train").iterdir()) if c.is_dir()
@@ -139,7 +143,7 @@ def folder_record(
     runs = {"defaults": kept.get("defaults") or train(folder, [], runs_dir / "defaults", extra)}
     hand = hand_runs(per_class, runs["defaults"]["image_size"][0], only)
     for label, options in {"defaults": [], **hand}.items():
-        for seed in range(seeds):
+        for seed in range(seeds if label != "defaults" or defaults_seeds is None else defaults_seeds):
             run = label if seed == 0 else f"{label}, seed {seed}"
             if run not in runs:
                 seeded = options + (["--seed", str(seed)] if seed else [])
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                         "already at --out as they were measured (with their commit), not run again")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=1, help="seeds of the defaults and of each run by hand "
                         "(default 1): how far a run moves")  # fmt: skip
+    parser.add_argument("--defaults-seeds", type=int, help="seeds of the defaults (default: --seeds)")
     args = parser.parse_args(argv)
     root = Path(args.root)
     known = [*HAND, *BALANCED]
@@ -241,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             record = {
                 **record_header("folder-runs"),
                 "tiny": args.tiny,
-                **folder_record(root, name, baselines, extra, Path(runs_dir), args.only, kept, args.seeds),
+                **folder_record(
+                    root, name, baselines, extra, Path(runs_dir), args.only, kept, args.seeds, args.defaults_seeds
+                ),
             }
         path = write_record(args.out.format(folder=name), record)
         runs = record["runs"]
