@@ -163,16 +163,15 @@ def choose_start(
     `TRANSFER_LAYER_DECAY` unless `layer_decay` is given; other image folders train a new ViT for at least
     `SCRATCH_MIN_STEPS`, as do those given `from_scratch`, a model, or `model_args` that shape one (hidden_size, ...:
     `ARCHITECTURE_FIELDS`). A checkpoint given, a length given, or a dataset of its own (Fashion-MNIST, ...) keep the
-    config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`)
-    where the batch is not given. A field counts as given where it is named in `given` (the options the user
-    typed, whatever their value) or differs from its default."""
+    config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`) where the batch is not given. A
+    field counts as given where it is named in `given` (the options the user typed, whatever their value) or differs
+    from its default."""
     images = survey["images"]
+    if survey["own_size"] or config.checkpoint is not None:
+        return config, Start("")
 
     def is_given(name: str) -> bool:
         return name in given or getattr(config, name) != default_of(name)
-
-    if survey["own_size"] or config.checkpoint is not None:
-        return config, Start("")
 
     counted = config.steps is None and not is_given("epochs")
     batch = fit_batch(images, multiple) if config.batch_size is None else config.batch_size
