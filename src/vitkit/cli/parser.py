@@ -20,7 +20,7 @@ from vitkit.speed.benchmark import MODES as BENCH_MODES
 from vitkit.speed.copies import CALIBRATION_IMAGES
 from vitkit.speed.machine import retain_freed_memory
 from vitkit.speed.optimize import OPTIMIZE_PRECISIONS, OPTIMIZE_RUNTIMES
-from vitkit.training.recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, field_help, field_types
+from vitkit.training.recipes import FINETUNE_DEFAULTS, RESUMABLE, TrainConfig, as_pairs, field_help, field_types
 
 from . import commands
 
@@ -97,7 +97,7 @@ def _add_train_options(p: argparse.ArgumentParser, preset: dict) -> None:
 def _shown(value) -> str:
     """A default as the user would type it: model_args as K=V pairs, numbers without needless digits."""
     if isinstance(value, dict):
-        return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items()) or "none"
+        return as_pairs(value) or "none"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 

@@ -148,9 +148,9 @@ def should_compile(config: TrainConfig, world: World, total_steps: int) -> bool:
     return machine.compiler_present(world.device)
 
 
-def _pairs(args: dict) -> str:
-    """ViTConfig overrides as `--model-args` takes them: k=v,..."""
-    return ",".join(f"{k}={v}" for k, v in args.items())
+def as_pairs(args: dict) -> str:
+    """A mapping (ViTConfig overrides, data_args) as the command line takes it: K=V pairs, values as JSON."""
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in args.items())
 
 
 def _field(default: Any, help: str, choices: Any = None) -> Any:
@@ -210,7 +210,7 @@ class TrainConfig:
     model: str | None = _field(
         None,
         "variant name ViT-<Ti|S|B|L|H>/<patch> or R50+ViT-B/16 (see `vitkit models`); default: the main job's narrow "
-        f"ViT-Ti ({_pairs(MAIN_JOB_MODEL_ARGS)}) with a patch fitted to the resolution (7 px at 28 px, 16 px at 224 "
+        f"ViT-Ti ({as_pairs(MAIN_JOB_MODEL_ARGS)}) with a patch fitted to the resolution (7 px at 28 px, 16 px at 224 "
         "px)",
     )
     model_args: dict = _field(
