@@ -140,10 +140,11 @@ def folder_record(
     per_class = {
         c.name: sum(f.is_file() for f in c.iterdir()) for c in sorted((folder / "train").iterdir()) if c.is_dir()
     }
+    defaults_seeds = seeds if defaults_seeds is None else defaults_seeds
     runs = {"defaults": kept.get("defaults") or train(folder, [], runs_dir / "defaults", extra)}
     hand = hand_runs(per_class, runs["defaults"]["image_size"][0], only)
     for label, options in {"defaults": [], **hand}.items():
-        for seed in range(seeds if label != "defaults" or defaults_seeds is None else defaults_seeds):
+        for seed in range(defaults_seeds if label == "defaults" else seeds):
             run = label if seed == 0 else f"{label}, seed {seed}"
             if run not in runs:
                 seeded = options + (["--seed", str(seed)] if seed else [])

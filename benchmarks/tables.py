@@ -259,7 +259,8 @@ def main_job(records: list[dict], now: bool = False) -> str:
         rows.append([machine, precision, run_length, schedule, val, count, accuracy, time])
     header = ["machine", "precision", "length", "decay", "val split", "runs", "test top-1", "wall time, cold cache"]
     if now:  # one recipe, all on the training images: the columns that would repeat it go
-        header, rows = header[:2] + header[5:], [row[:2] + row[5:] for row in rows]
+        keep = [i for i, name in enumerate(header) if name not in ("length", "decay", "val split")]
+        header, rows = [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
     return markdown(header, rows, right=3)
 
 
