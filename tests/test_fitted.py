@@ -145,6 +145,7 @@ def test_every_option_given_wins_over_the_fitted_one():
         batch_size=64,
         head_init="zero",
         layer_decay=0.5,
+        frozen_blocks=1,
     )
     config, line = fit_and_line(given, image_survey((8, 8), grayscale=True, images=100))
     assert config == given

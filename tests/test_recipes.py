@@ -117,6 +117,25 @@ def test_partial_finetuning_trains_exactly_the_chosen_parameters(mode, extra):
     assert len(set_trainable(model, "full")) == len(list(model.parameters()))
 
 
+def test_frozen_blocks_keep_the_embedding_and_the_lowest_blocks_out_of_backward():
+    model = tiny()  # 2 blocks
+    learning = set(set_trainable(model, "full", frozen_blocks=1))
+    before = ("embedding", "cls_token", "posemb", "blocks.0.")
+    assert learning == {n for n, _ in model.named_parameters() if not n.startswith(before)}
+    assert "blocks.1.attn.qkv.weight" in learning and "head.weight" in learning
+    assert set(set_trainable(model, "mlp", frozen_blocks=1)) == {"head.weight", "head.bias"} | {
+        n for n in sublayer("mlp", ("fc1", "fc2")) if n.startswith("blocks.1.")
+    }
+    set_trainable(model, "full", frozen_blocks=2)
+    model(torch.randn(2, model.config.in_chans, *model.config.image_size)).sum().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n.startswith(("embedding", "blocks.")))
+    assert model.head.weight.grad is not None
+    with pytest.raises(ValueError, match="frozen_blocks=3: the model has 2 encoder blocks"):
+        set_trainable(model, "full", frozen_blocks=3)
+    with pytest.raises(ValueError, match="frozen_blocks=-1 must be >= 0"):
+        TrainConfig(frozen_blocks=-1)
+
+
 def test_train_config_reads_yaml_and_json_and_command_line_overrides_them(tmp_path):
     (tmp_path / "c.yaml").write_text("lr: 0.002\nepochs: 3\ncrop_scale: [0.5, 1.0]\nmodel_args: {hidden_size: 32}\n")
     (tmp_path / "c.json").write_text('{"batch_size": 64, "schedule": "cosine"}')

@@ -40,6 +40,7 @@ from .recipes import (
     SMALL_TARGET,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
+    TRANSFER_FROZEN_BLOCKS,
     TRANSFER_LABEL_SMOOTHING,
     TRANSFER_LAYER_DECAY,
     TRANSFER_LR,
@@ -160,12 +161,12 @@ def choose_start(
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
     `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` and `TRANSFER_LABEL_SMOOTHING` for the fields not given, for
     `transfer_length` steps, the new head from a linear probe unless `head_init` is given, with
-    `TRANSFER_LAYER_DECAY` unless `layer_decay` is given; other image folders train a new ViT for at least
-    `SCRATCH_MIN_STEPS`, as do those given `from_scratch`, a model, or `model_args` that shape one (hidden_size, ...:
-    `ARCHITECTURE_FIELDS`). A checkpoint given, a length given, or a dataset of its own (Fashion-MNIST, ...) keep the
-    config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`) where the batch is not given. A
-    field counts as given where it is named in `given` (the options the user typed, whatever their value) or differs
-    from its default."""
+    `TRANSFER_LAYER_DECAY` and `TRANSFER_FROZEN_BLOCKS` unless `layer_decay` and `frozen_blocks` are given; other
+    image folders train a new ViT for at least `SCRATCH_MIN_STEPS`, as do those given `from_scratch`, a model, or
+    `model_args` that shape one (hidden_size, ...: `ARCHITECTURE_FIELDS`). A checkpoint given, a length given, or a
+    dataset of its own (Fashion-MNIST, ...) keep the config as it is. The steps count batches of `fit_batch` (a
+    multiple of `multiple`) where the batch is not given. A field counts as given where it is named in `given` (the
+    options the user typed, whatever their value) or differs from its default."""
     images = survey["images"]
     if survey["own_size"] or config.checkpoint is not None:
         return config, Start("")
@@ -187,7 +188,9 @@ def choose_start(
         steps = transfer_length(images, batch) if counted else config.steps
         head = config.head_init or "probe"
         decay = TRANSFER_LAYER_DECAY if config.layer_decay is None else config.layer_decay
-        chosen = {"checkpoint": TRANSFER_CHECKPOINT, "steps": steps, "head_init": head, "layer_decay": decay}
+        frozen = TRANSFER_FROZEN_BLOCKS if config.frozen_blocks is None else config.frozen_blocks
+        chosen = {"checkpoint": TRANSFER_CHECKPOINT, "steps": steps, "head_init": head, "layer_decay": decay,
+                  "frozen_blocks": frozen}  # fmt: skip
         fine = config.replace(**{**changes, **chosen})
         return fine, Start("transfer", counted)
     steps = max(math.ceil(config.epochs * (images // batch)), SCRATCH_MIN_STEPS) if counted else config.steps
@@ -237,6 +240,8 @@ def fit_to_data(
         changes["head_init"] = "zero"
     if config.layer_decay is None:
         changes["layer_decay"] = 1.0
+    if config.frozen_blocks is None:
+        changes["frozen_blocks"] = 0
     if config.checkpoint is None:
         changes.update(fit_model(config, asked.size))
     elif config.image_size is None and isinstance(checkpoint, ViTConfig) and (asked.small or small):
@@ -354,7 +359,8 @@ def chosen_line(run: ResolvedRun) -> str:
             pretrained=TRANSFER_CHECKPOINT,
             how=(" from a linear probe" if config.head_init == "probe" else "")
             + f", lr {config.lr:g}"
-            + (f", layer decay {config.layer_decay:g}" if config.layer_decay not in (None, 1.0) else ""),
+            + (f", layer decay {config.layer_decay:g}" if config.layer_decay not in (None, 1.0) else "")
+            + (f", the first {config.frozen_blocks} blocks frozen" if config.frozen_blocks else ""),
         )
         line += f"; {why}" + (f"; {config.steps} steps of {batch}" if run.start.counted else "")
         line += " (--from-scratch for a new ViT)" if run.start.transfer else ""

@@ -54,14 +54,21 @@ def is_trainable(name: str, mode: str) -> bool:
     return (mode == "attention" and ".attn." in name) or (mode == "mlp" and ".mlp." in name)
 
 
-def set_trainable(model: nn.Module, mode: str) -> list[str]:
-    """Set `requires_grad` for a `trainable` mode (see `is_trainable`); returns the names of the parameters that
-    learn."""
+def set_trainable(model: nn.Module, mode: str, frozen_blocks: int = 0) -> list[str]:
+    """Set `requires_grad` for a `trainable` mode (see `is_trainable`) with what comes before the encoder and its
+    first `frozen_blocks` blocks frozen (`layer_depth` at most `frozen_blocks`); returns the names of the parameters
+    that learn."""
     if mode not in TRAINABLE:
         raise ValueError(f"trainable={mode!r} is unknown: choose one of {', '.join(TRAINABLE)}.")
+    blocks = getattr(model, "blocks", None)  # the ResNet baseline has none
+    depth = 0 if blocks is None else len(blocks)
+    if frozen_blocks > depth:
+        have = f"has {depth} encoder blocks" if depth else "has no encoder blocks"
+        raise ValueError(f"frozen_blocks={frozen_blocks}: the model {have}; give at most that many, or 0.")
     learning = []
     for name, p in model.named_parameters():
-        p.requires_grad_(is_trainable(name, mode))
+        frozen = frozen_blocks > 0 and layer_depth(name, depth) <= frozen_blocks
+        p.requires_grad_(is_trainable(name, mode) and not frozen)
         if p.requires_grad:
             learning.append(name)
     return learning

@@ -122,6 +122,9 @@ TRANSFER_LR = 0.03
 # it gained val top-1 on three and lost one image of 16 on the photographs, 0.75 points on average (docs/OWN_IMAGES.md).
 TRANSFER_LABEL_SMOOTHING = 0.1
 TRANSFER_STEPS = (100, 500)
+# The transfer keeps the patch embedding and its lowest blocks as pre-trained: a step then skips their backward
+# pass, where under layer decay they would learn at 3-13% of the rate.
+TRANSFER_FROZEN_BLOCKS = 0
 SCRATCH_MIN_STEPS = 1000
 # Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
 # of a nearest-class-mean classifier's accuracy (`data.survey.mirror_agreement`). Digits keep about half or less, and a
@@ -225,6 +228,11 @@ class TrainConfig:
     )
     from_scratch: bool = _field(False, "train a new ViT, not the pre-trained one small image folders start from")
     trainable: str = _field("full", "which parameters learn: head is a linear probe", TRAINABLE)
+    frozen_blocks: int | None = _field(
+        None,
+        "the patch embedding and the first N encoder blocks keep their weights (a step skips their backward pass); "
+        f"default: {TRANSFER_FROZEN_BLOCKS} where a small folder starts from the pre-trained ViT, else 0",
+    )
     head_init: str | None = _field(
         None,
         "a checkpoint's new head starts at zero (the paper's) or as a linear probe of its frozen features, which then "
@@ -331,6 +339,8 @@ class TrainConfig:
             )
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise ValueError(f"layer_decay={self.layer_decay} must be in (0, 1]: 1 turns layer-wise decay off.")
+        if self.frozen_blocks is not None and self.frozen_blocks < 0:
+            raise ValueError(f"frozen_blocks={self.frozen_blocks} must be >= 0 (0: every block learns).")
         if self.lr <= 0 or self.weight_decay < 0 or not 0 <= self.warmup_fraction < 1:
             raise ValueError(
                 f"lr={self.lr} must be > 0, weight_decay={self.weight_decay} >= 0, "
