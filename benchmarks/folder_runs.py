@@ -54,6 +54,8 @@ HAND = {
     "crop 50-100%": ["--crop-scale", "0.5", "1"],
     "drop path 0.1": ["--model-args", "drop_path_rate=0.1"],
     "no label smoothing": ["--label-smoothing", "0"],
+    "6 blocks frozen": ["--frozen-blocks", "6"],
+    "8 blocks frozen": ["--frozen-blocks", "8"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}
 IMBALANCED = 2.0  # the largest class over the smallest, in training images, from which the balanced loss is tried
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the record of each folder: a path with {folder} in it")
     parser.add_argument("--tiny", action="store_true", help="2 steps a run: a check that the script runs")
     parser.add_argument("--only", nargs="*", metavar="LABEL", help=f"run these runs by hand alone (none: the defaults "
-                        f"alone): {', '.join(HAND)}, {', '.join(BALANCED)}")  # fmt: skip
+                        f"alone): {', '.join(HAND)}, {', '.join(BALANCED)}".replace("%", "%%"))  # fmt: skip
     parser.add_argument("--keep", nargs="+", default=[], metavar="LABEL", help="take these runs by hand (or the "
                         "defaults; another seed as 'LABEL, seed S'; 'OLD=NEW' to keep run OLD as NEW) from the record "
                         "already at --out as they were measured (with their commit), not run again")  # fmt: skip
