@@ -184,6 +184,11 @@ def mean_val(runs: dict, label: str) -> float:
     return sum(values) / len(values)
 
 
+# The label of an earlier commit's defaults kept where no run by hand gives their options now (a default length
+# changed): "the defaults of <commit>", optionally ", seed S".
+OLD_DEFAULTS = re.compile(r"the defaults of [0-9a-f]{7}(, seed \d+)?")
+
+
 def kept_as(label: str) -> tuple[str, str]:
     """A --keep label: (the run kept, the label it is kept as), "OLD=NEW" or a label kept as itself."""
     old, _, new = label.partition("=")
@@ -193,7 +198,7 @@ def kept_as(label: str) -> tuple[str, str]:
 def kept_runs(path: Path, labels: list[str]) -> dict:
     """The runs `labels` of the record at `path`, each with the commit it was measured at. "OLD=NEW" keeps run OLD
     as NEW, noting what it was measured as: the defaults of an earlier commit kept as the run by hand that gives
-    their options now."""
+    their options now, or as "the defaults of <commit>" where none does."""
     if not labels:
         return {}
     if not path.is_file():
@@ -231,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root)
     known = [*HAND, *BALANCED]
     unknown = [label for label in args.only or [] if label not in known]
-    unknown += [new for _, new in map(kept_as, args.keep) if new.split(", seed ")[0] not in ["defaults", *known]]
+    unknown += [new for _, new in map(kept_as, args.keep)
+                if new.split(", seed ")[0] not in ["defaults", *known] and not OLD_DEFAULTS.fullmatch(new)]  # fmt: skip
     if unknown:
         parser.error(f"no run by hand is called {', '.join(unknown)}: choose among {', '.join(known)}")
     if "{folder}" not in args.out:

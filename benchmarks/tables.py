@@ -359,7 +359,8 @@ def folder_runs(records: list[dict]) -> str:
         for name, run in runs.items():
             base = name.split(", seed ")[0]
             seeds.setdefault(base, []).append(run["test_top1"])
-            shown[base] = base + (f" = the defaults of {run['commit'][:7]}" if run.get("measured_as") else "")
+            named = run.get("measured_as") and not base.startswith("the defaults of")
+            shown[base] = base + (f" = the defaults of {run['commit'][:7]}" if named else "")
         rows.append([
             f"{folder} ({record['kind']}; {images:,} training images)", machine,
             f"{baseline['accuracy']:.1%} {baseline['model']}", f"{record['target']:.1%}",

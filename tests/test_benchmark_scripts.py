@@ -84,6 +84,27 @@ def test_every_benchmark_script_has_a_tiny_mode_test_here():
 
 
 @pytest.mark.slow
+def test_every_benchmark_script_answers_help():
+    # The docs send users to `--help`; a help text that argparse cannot format (a bare % in it) is an error there.
+    scripts = sorted(str(path) for path in BENCHMARKS.glob("*.py"))
+    check = (
+        "import runpy, sys\n"
+        "for script in sys.argv[1:]:\n"
+        "    sys.argv = [script, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(script, run_name='__main__')\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code in (0, None), (script, done.code)\n"
+        "    else:\n"
+        "        raise AssertionError(f'{script} --help did not exit')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check, *scripts], capture_output=True, text=True,
+                          env=subprocess_env(BENCHMARKS), timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("usage:") == len(scripts)
+
+
+@pytest.mark.slow
 def test_calibration_script_runs_in_a_tiny_mode_and_writes_its_record(tmp_path):
     for name in ("openvino", "nncf"):
         pytest.importorskip(name, reason=f"int8 calibration in OpenVINO needs the optional {name}")
