@@ -54,6 +54,7 @@ HAND = {
     "crop 50-100%": ["--crop-scale", "0.5", "1"],
     "drop path 0.1": ["--model-args", "drop_path_rate=0.1"],
     "no label smoothing": ["--label-smoothing", "0"],
+    "every block learns": ["--frozen-blocks", "0"],
     "6 blocks frozen": ["--frozen-blocks", "6"],
     "8 blocks frozen": ["--frozen-blocks", "8"],
 }
