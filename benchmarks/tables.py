@@ -360,7 +360,7 @@ def folder_runs(records: list[dict]) -> str:
             base = name.split(", seed ")[0]
             seeds.setdefault(base, []).append(run["test_top1"])
             named = run.get("measured_as") and not base.startswith("the defaults of")
-            shown[base] = base + (f" = the defaults of {run['commit'][:7]}" if named else "")
+            shown.setdefault(base, base + (f" = the defaults of {run['commit'][:7]}" if named else ""))  # seed 0's
         rows.append([
             f"{folder} ({record['kind']}; {images:,} training images)", machine,
             f"{baseline['accuracy']:.1%} {baseline['model']}", f"{record['target']:.1%}",
