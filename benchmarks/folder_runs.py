@@ -39,7 +39,7 @@ from vitkit.speed.benchmark import commit, record_header, write_record  # noqa: 
 # The runs by hand beside the defaults: the start the defaults replaced (a new ViT, the paper's finding; with and
 # without the main job's patch dropout, which a new ViT on image files trains with), the paper's
 # zero head in place of the linear probe, the pre-trained start at other resolutions (one the defaults chose is not run
-# twice), and, where the classes are imbalanced, the class-balanced loss.
+# twice) or with its lower blocks frozen, and, where the classes are imbalanced, the class-balanced loss.
 HAND = {
     "from scratch": ["--from-scratch"],
     "from scratch, every patch": ["--from-scratch", "--model-args", "patch_dropout=0"],
