@@ -375,6 +375,14 @@ def test_folder_runs_script_runs_the_defaults_and_the_hand_runs_in_a_tiny_mode_a
     assert renamed["lr 0.01"] == {**runs["defaults"], "commit": record["commit"], "measured_as": "defaults"}
     (row,) = table_rows("folder-runs", out.parent)
     assert f"lr 0.01 = the defaults of {record['commit'][:7]}" in row  # the best run by hand, or another
+    # where no run by hand gives an earlier commit's defaults (a default length changed), they keep that commit's name
+    old = f"the defaults of {renamed['defaults']['commit'][:7]}"
+    run_script("folder_runs.py", *tiny, "--only", "--keep", f"defaults={old}", "lr 0.01")
+    again = json.loads((tmp_path / "results" / "folder-runs-mnist-5k.json").read_text())["runs"]
+    assert list(again) == ["defaults", old, "lr 0.01"] and again[old]["measured_as"] == "defaults"
+    assert again[old]["test_top1"] == renamed["defaults"]["test_top1"]
+    (row,) = table_rows("folder-runs", out.parent)
+    assert old in row and f"{old} = " not in row
 
 
 def test_shard_formats_script_runs_in_a_tiny_mode_and_its_record_makes_the_formats_table(tmp_path):
