@@ -57,6 +57,7 @@ HAND = {
     "every block learns": ["--frozen-blocks", "0"],
     "6 blocks frozen": ["--frozen-blocks", "6"],
     "8 blocks frozen": ["--frozen-blocks", "8"],
+    "6 blocks frozen, 300 steps": ["--frozen-blocks", "6", "--steps", "300"],
     "8 blocks frozen, 300 steps": ["--frozen-blocks", "8", "--steps", "300"],
 }
 BALANCED = {"class-balanced loss": ["--balanced"]}
