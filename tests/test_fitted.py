@@ -27,7 +27,6 @@ from vitkit.training.recipes import (
     SCRATCH_MIN_STEPS,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
-    TRANSFER_FROZEN_BLOCKS,
     TRANSFER_LABEL_SMOOTHING,
     TRANSFER_LAYER_DECAY,
     TRANSFER_LR,
@@ -200,7 +199,7 @@ def test_small_image_folders_fine_tune_the_installed_pretrained_vit_for_a_length
     assert config.steps == transfer_length(600, 128) == round(TRANSFER_EPOCHS * 600 / 128)  # 234: 50 epochs
     assert config.head_init == "probe"  # LP-FT: linear probe, then fine-tune
     assert config.layer_decay == TRANSFER_LAYER_DECAY == 0.75
-    assert config.frozen_blocks == TRANSFER_FROZEN_BLOCKS == 0  # every block learns
+    assert config.frozen_blocks == 0  # every block learns
     assert line.endswith(
         f"; fine-tuning the pre-trained {TRANSFER_CHECKPOINT} from a linear probe, lr 0.03, layer decay 0.75: 600 "
         "training images, too few for a new ViT; 234 steps of 128 (--from-scratch for a new ViT)"

@@ -40,7 +40,6 @@ from .recipes import (
     SMALL_TARGET,
     TRANSFER_CHECKPOINT,
     TRANSFER_EPOCHS,
-    TRANSFER_FROZEN_BLOCKS,
     TRANSFER_LABEL_SMOOTHING,
     TRANSFER_LAYER_DECAY,
     TRANSFER_LR,
@@ -161,12 +160,12 @@ def choose_start(
     Image folders of at most `TRANSFER_MAX_IMAGES` training images fine-tune `TRANSFER_CHECKPOINT` (where
     `installed`) with `FINETUNE_DEFAULTS` at `TRANSFER_LR` and `TRANSFER_LABEL_SMOOTHING` for the fields not given, for
     `transfer_length` steps, the new head from a linear probe unless `head_init` is given, with
-    `TRANSFER_LAYER_DECAY` and `TRANSFER_FROZEN_BLOCKS` unless `layer_decay` and `frozen_blocks` are given; other
-    image folders train a new ViT for at least `SCRATCH_MIN_STEPS`, as do those given `from_scratch`, a model, or
-    `model_args` that shape one (hidden_size, ...: `ARCHITECTURE_FIELDS`). A checkpoint given, a length given, or a
-    dataset of its own (Fashion-MNIST, ...) keep the config as it is. The steps count batches of `fit_batch` (a
-    multiple of `multiple`) where the batch is not given. A field counts as given where it is named in `given` (the
-    options the user typed, whatever their value) or differs from its default."""
+    `TRANSFER_LAYER_DECAY` unless `layer_decay` is given; other image folders train a new ViT for at least
+    `SCRATCH_MIN_STEPS`, as do those given `from_scratch`, a model, or `model_args` that shape one (hidden_size, ...:
+    `ARCHITECTURE_FIELDS`). A checkpoint given, a length given, or a dataset of its own (Fashion-MNIST, ...) keep the
+    config as it is. The steps count batches of `fit_batch` (a multiple of `multiple`) where the batch is not given. A
+    field counts as given where it is named in `given` (the options the user typed, whatever their value) or differs
+    from its default."""
     images = survey["images"]
     if survey["own_size"] or config.checkpoint is not None:
         return config, Start("")
@@ -188,9 +187,7 @@ def choose_start(
         steps = transfer_length(images, batch) if counted else config.steps
         head = config.head_init or "probe"
         decay = TRANSFER_LAYER_DECAY if config.layer_decay is None else config.layer_decay
-        frozen = TRANSFER_FROZEN_BLOCKS if config.frozen_blocks is None else config.frozen_blocks
-        chosen = {"checkpoint": TRANSFER_CHECKPOINT, "steps": steps, "head_init": head, "layer_decay": decay,
-                  "frozen_blocks": frozen}  # fmt: skip
+        chosen = {"checkpoint": TRANSFER_CHECKPOINT, "steps": steps, "head_init": head, "layer_decay": decay}
         fine = config.replace(**{**changes, **chosen})
         return fine, Start("transfer", counted)
     steps = max(math.ceil(config.epochs * (images // batch)), SCRATCH_MIN_STEPS) if counted else config.steps
@@ -240,8 +237,6 @@ def fit_to_data(
         changes["head_init"] = "zero"
     if config.layer_decay is None:
         changes["layer_decay"] = 1.0
-    if config.frozen_blocks is None:
-        changes["frozen_blocks"] = 0
     if config.checkpoint is None:
         changes.update(fit_model(config, asked.size))
     elif config.image_size is None and isinstance(checkpoint, ViTConfig) and (asked.small or small):

@@ -238,7 +238,7 @@ def set_up(config: TrainConfig, world: World, run_path: Path, saved: dict | None
     else:
         model = saved_model(saved, train_set)
     model.trained_on = describe(config.data, train_set)
-    learning = set_trainable(model, config.trainable, config.frozen_blocks or 0)
+    learning = set_trainable(model, config.trainable, config.frozen_blocks)
     if isinstance(model, VisionTransformer):  # the ResNet baseline has no blocks to recompute
         model.set_grad_checkpointing(config.grad_checkpointing)
     kernels.install(model.to(world.device))  # the machine's fast layers, the same parameters

@@ -122,11 +122,6 @@ TRANSFER_LR = 0.03
 # it gained val top-1 on three and lost one image of 16 on the photographs, 0.75 points on average (docs/OWN_IMAGES.md).
 TRANSFER_LABEL_SMOOTHING = 0.1
 TRANSFER_STEPS = (100, 500)
-# The transfer's blocks that keep their pre-trained weights (`--frozen-blocks`): none. Freezing the embedding and 8 of
-# 12 blocks (a step then runs backward through 4) and at most 300 steps took a quarter to two thirds less time, and
-# lost 0.2 points of val on average over four folders (digits -1.4, clip art -1.1, photographs level, icons +1.8;
-# docs/OWN_IMAGES.md).
-TRANSFER_FROZEN_BLOCKS = 0
 SCRATCH_MIN_STEPS = 1000
 # Small images are flipped where their classes look the same mirrored: where mirrored images keep at least this share
 # of a nearest-class-mean classifier's accuracy (`data.survey.mirror_agreement`). Digits keep about half or less, and a
@@ -230,10 +225,13 @@ class TrainConfig:
     )
     from_scratch: bool = _field(False, "train a new ViT, not the pre-trained one small image folders start from")
     trainable: str = _field("full", "which parameters learn: head is a linear probe", TRAINABLE)
-    frozen_blocks: int | None = _field(
-        None,
+    # Every block learns by default, the transfer too: freezing the embedding and 8 of 12 blocks (a step then runs
+    # backward through 4) with at most 300 steps took a quarter to two thirds less time on four folders and lost 0.2
+    # points of val on average (digits -1.4, clip art -1.1, photographs level, icons +1.8; docs/OWN_IMAGES.md).
+    frozen_blocks: int = _field(
+        0,
         "the patch embedding and the first N encoder blocks keep their weights (a step skips their backward pass); "
-        "default 0, every block learns (8 with --steps 300 fine-tunes a small folder in about half the time)",
+        "0: every block learns (8 with --steps 300 fine-tunes a small folder in about half the time)",
     )
     head_init: str | None = _field(
         None,
@@ -341,7 +339,7 @@ class TrainConfig:
             )
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise ValueError(f"layer_decay={self.layer_decay} must be in (0, 1]: 1 turns layer-wise decay off.")
-        if self.frozen_blocks is not None and self.frozen_blocks < 0:
+        if self.frozen_blocks < 0:
             raise ValueError(f"frozen_blocks={self.frozen_blocks} must be >= 0 (0: every block learns).")
         if self.lr <= 0 or self.weight_decay < 0 or not 0 <= self.warmup_fraction < 1:
             raise ValueError(
